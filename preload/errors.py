@@ -1,0 +1,51 @@
+"""Typed failures, so callers decide on fallback by type, not by string.
+
+Every error carries the sentence a person needs to act: which shard, which
+field, what to run next. The CLI prints ``str(error)`` as its one line.
+"""
+
+from __future__ import annotations
+
+
+class PreloadGateError(Exception):
+    """Base of every error this project raises on purpose."""
+
+
+class CheckpointError(PreloadGateError):
+    """A checkpoint directory or one of its shards is unusable.
+
+    ``shard`` names the file (None when the directory itself is the problem).
+    """
+
+    def __init__(self, message: str, shard: str | None = None) -> None:
+        self.shard = shard
+        super().__init__(f"{shard}: {message}" if shard else message)
+
+
+class ManifestError(PreloadGateError):
+    """A manifest is missing, unreadable, or stale for the checkpoint."""
+
+
+class DigestMismatchError(PreloadGateError):
+    """Bytes read do not hash to the digest they were asked to match."""
+
+
+class WeightCacheUnavailableError(PreloadGateError):
+    """No daemon is reachable, or its socket cannot be trusted."""
+
+
+class CacheKeyMismatchError(PreloadGateError):
+    """The daemon holds weights for another key; ``fields`` names the differences."""
+
+    def __init__(self, fields: list[str], detail: str = "") -> None:
+        self.fields = list(fields)
+        msg = "weight cache key mismatch on fields: " + ", ".join(self.fields)
+        super().__init__(msg + (f" ({detail})" if detail else ""))
+
+
+class ProtocolError(PreloadGateError):
+    """A frame broke the wire contract (size, JSON, schema, version)."""
+
+
+class InsecureSocketError(WeightCacheUnavailableError):
+    """A socket path failed an ownership, mode or symlink check."""

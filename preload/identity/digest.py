@@ -1,0 +1,99 @@
+"""Content digests: SHA-256 of every shard, and of the checkpoint as a whole.
+
+The checkpoint digest is the SHA-256 of the ``sha256sum`` lines of its shards
+(``<hex>  <name>\\n``, sorted by the byte order of the name), so an operator
+can reproduce it without this project:
+
+    cd CKPT && LC_ALL=C sha256sum *.safetensors | sha256sum
+
+Shards are hashed in parallel threads: ``hashlib`` releases the GIL while it
+hashes a large buffer, so N cores hash N shards at once. One shard is one
+sequential SHA-256 and cannot be split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from preload.errors import CheckpointError
+
+CHUNK_BYTES = 8 << 20
+
+
+def checkpoint_digest(shard_digests: Mapping[str, str]) -> str:
+    """Combine per-shard hex digests into the checkpoint digest.
+
+    >>> checkpoint_digest({"model.safetensors": "ab" * 32})[:12]
+    '8e4680f145c7'
+    """
+    lines = "".join(
+        f"{shard_digests[name]}  {name}\n" for name in sorted(shard_digests, key=str.encode)
+    )
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def hash_file(
+    path: str | os.PathLike[str],
+    on_bytes: Callable[[int], None] | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> str:
+    """SHA-256 of one file, read in fixed chunks into one reused buffer."""
+    h = hashlib.sha256()
+    buf = bytearray(chunk_bytes)
+    view = memoryview(buf)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                h.update(view[:n])
+                if on_bytes is not None:
+                    on_bytes(n)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read shard: {exc.strerror or exc}", Path(path).name) from exc
+    return h.hexdigest()
+
+
+def default_workers() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def hash_shards(
+    paths: Iterable[str | os.PathLike[str]],
+    workers: int | None = None,
+    progress: bool | None = None,
+) -> dict[str, str]:
+    """Hash shards in parallel; returns ``{basename: hex}``.
+
+    ``progress=None`` shows a byte progress bar only when stderr is a terminal.
+    """
+    files = [Path(p) for p in paths]
+    # Largest first: the slowest file starts earliest, so the pool drains evenly.
+    files.sort(key=lambda p: p.stat().st_size, reverse=True)
+    total = sum(p.stat().st_size for p in files)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    bar = None
+    lock = threading.Lock()
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="sha256", leave=False)
+
+    def on_bytes(n: int) -> None:
+        if bar is not None:
+            with lock:
+                bar.update(n)
+
+    n_workers = min(workers or default_workers(), max(1, len(files)))
+    try:
+        with ThreadPoolExecutor(max_workers=n_workers) as pool:
+            digests = list(pool.map(lambda p: hash_file(p, on_bytes), files))
+    finally:
+        if bar is not None:
+            bar.close()
+    return {p.name: d for p, d in zip(files, digests)}

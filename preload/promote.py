@@ -1,0 +1,56 @@
+"""Promotion: hash a checkpoint once, record its manifest, name its socket dir.
+
+>>> p = promote("/models/smollm2")  # doctest: +SKIP
+>>> p.digest, p.socket_dir  # doctest: +SKIP
+('3f5c...', PosixPath('/run/user/0/preload-gate/3f5c0a1b2c3d4e5f'))
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from preload.identity.manifest import Manifest, build_manifest, write_manifest
+from preload.sockets import ensure_private_dir, socket_dir
+
+
+@dataclass(frozen=True)
+class Promotion:
+    manifest: Manifest
+    manifest_path: Path
+    socket_dir: Path
+
+    @property
+    def digest(self) -> str:
+        return self.manifest.digest
+
+    def to_json(self) -> dict:
+        return {
+            "digest": self.digest,
+            "checkpoint": self.manifest.checkpoint,
+            "config_digest": self.manifest.config_digest,
+            "socket_dir": str(self.socket_dir),
+            "manifest": str(self.manifest_path),
+            "shards": [
+                {"name": s.name, "size": s.size, "sha256": s.sha256} for s in self.manifest.shards
+            ],
+        }
+
+
+def promote(
+    checkpoint: str | os.PathLike[str],
+    socket_root: str | os.PathLike[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    workers: int | None = None,
+    progress: bool | None = None,
+) -> Promotion:
+    """Validate and hash ``checkpoint``, write its manifest atomically, and
+    create its digest-keyed socket directory (0700).
+
+    Nothing is written unless every shard validated and hashed.
+    """
+    manifest = build_manifest(checkpoint, workers=workers, progress=progress)
+    path = write_manifest(manifest, cache_dir)
+    sdir = ensure_private_dir(socket_dir(manifest.digest, socket_root))
+    return Promotion(manifest, path, sdir)

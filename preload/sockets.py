@@ -1,0 +1,108 @@
+"""Socket directories: where a daemon listens, and why an engine may trust it.
+
+Directories are keyed by content: ``<socket_root>/<digest[:16]>/``, mode
+0700. An engine pointed at other content looks in another directory and
+finds no daemon, so a wrong hit needs a wrong digest, not a same-looking
+header. Inside, one socket per rank: ``rank<global_rank>.sock`` (0600) and
+its lock file.
+
+Both sides refuse a path that is a symlink, not owned by the current user,
+or group/world accessible; the daemon also checks each peer's uid with
+SO_PEERCRED.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+import tempfile
+from pathlib import Path
+
+from preload.errors import InsecureSocketError
+
+DIGEST_PREFIX = 16
+
+
+def default_socket_root() -> Path:
+    env = os.environ.get("PRELOAD_GATE_SOCKET_ROOT")
+    if env:
+        return Path(env)
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return Path(runtime) / "preload-gate"
+    return Path(tempfile.gettempdir()) / f"preload-gate-{os.getuid()}"
+
+
+def socket_dir(digest: str, root: str | os.PathLike[str] | None = None) -> Path:
+    """``<root>/<digest[:16]>``; the digest is lower-case hex SHA-256."""
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError(f"not a SHA-256 hex digest: {digest!r}")
+    return Path(root or default_socket_root()) / digest[:DIGEST_PREFIX]
+
+
+def socket_path(directory: str | os.PathLike[str], global_rank: int) -> Path:
+    return Path(directory) / f"rank{global_rank}.sock"
+
+
+def ensure_private_dir(directory: str | os.PathLike[str]) -> Path:
+    """Create ``directory`` (and a private root above it) as 0700, then verify."""
+    d = Path(directory)
+    for p in (d.parent, d):
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            pass
+        verify_private_dir(p)
+    return d
+
+
+def verify_private_dir(directory: str | os.PathLike[str]) -> None:
+    """A real directory, owned by us, with no group or world access."""
+    try:
+        info = os.lstat(directory)
+    except FileNotFoundError as exc:
+        raise InsecureSocketError(f"socket directory {directory} does not exist") from exc
+    if stat.S_ISLNK(info.st_mode):
+        raise InsecureSocketError(f"refusing symlinked socket directory {directory}")
+    if not stat.S_ISDIR(info.st_mode):
+        raise InsecureSocketError(f"{directory} is not a directory")
+    if info.st_uid != os.getuid():
+        raise InsecureSocketError(
+            f"socket directory {directory} is owned by uid {info.st_uid}, not {os.getuid()}"
+        )
+    if info.st_mode & 0o077:
+        raise InsecureSocketError(
+            f"socket directory {directory} is group/world accessible "
+            f"(mode {stat.S_IMODE(info.st_mode):04o}); run: chmod 700 {directory}"
+        )
+
+
+def verify_socket(path: str | os.PathLike[str]) -> None:
+    """The socket and its directory pass the checks above; the socket is ours."""
+    p = Path(path)
+    verify_private_dir(p.parent)
+    try:
+        info = os.lstat(p)
+    except FileNotFoundError as exc:
+        raise InsecureSocketError(f"no daemon socket at {p}") from exc
+    if stat.S_ISLNK(info.st_mode):
+        raise InsecureSocketError(f"refusing symlinked socket {p}")
+    if not stat.S_ISSOCK(info.st_mode):
+        raise InsecureSocketError(f"{p} is not a socket")
+    if info.st_uid != os.getuid():
+        raise InsecureSocketError(f"socket {p} is owned by uid {info.st_uid}, not {os.getuid()}")
+
+
+def peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+def verify_peer(conn: socket.socket) -> None:
+    """Reject a connection whose peer runs as another user."""
+    uid = peer_uid(conn)
+    if uid != os.getuid():
+        raise InsecureSocketError(f"rejecting connection from uid {uid}")

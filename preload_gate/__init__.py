@@ -1,0 +1,1 @@
+"""The ``preload-gate`` command: every verb, assembled from the layers below."""

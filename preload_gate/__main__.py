@@ -1,0 +1,5 @@
+import sys
+
+from preload_gate.cli import main
+
+sys.exit(main())
