@@ -13,12 +13,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from preload.errors import WriteError
+
 
 def write_bytes(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data`` atomically."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as exc:
+        raise WriteError(str(target), exc) from exc
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -26,11 +31,15 @@ def write_bytes(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) ->
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        # A full disk or a read-only directory is an operator's problem to
+        # fix, not a bug: one line naming the file (the CLI prints it).
+        if isinstance(exc, OSError) and not isinstance(exc, WriteError):
+            raise WriteError(str(target), exc) from exc
         raise
 
 

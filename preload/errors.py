@@ -49,3 +49,20 @@ class ProtocolError(PreloadGateError):
 
 class InsecureSocketError(WeightCacheUnavailableError):
     """A socket path failed an ownership, mode or symlink check."""
+
+
+class WriteError(PreloadGateError, OSError):
+    """A result file (manifest, report, golden) could not be written.
+
+    Raised by ``preload._atomic`` after it removed its temporary file, so the
+    previous file is intact. It is an OSError too (``errno`` is the cause's),
+    so callers that catch OSError keep working, and a PreloadGateError, so
+    the CLI prints it as one line instead of a traceback.
+    """
+
+    def __init__(self, path: str, cause: OSError) -> None:
+        super().__init__(cause.errno, cause.strerror or str(cause), path)
+        self.path = path
+
+    def __str__(self) -> str:
+        return f"cannot write {self.path}: {self.strerror}; the previous file is unchanged"

@@ -71,10 +71,11 @@ def hash_shards(
 
     ``progress=None`` shows a byte progress bar only when stderr is a terminal.
     """
-    files = [Path(p) for p in paths]
+    # One stat per file (on remote storage each is a round trip).
+    sizes = {Path(p): Path(p).stat().st_size for p in paths}
     # Largest first: the slowest file starts earliest, so the pool drains evenly.
-    files.sort(key=lambda p: p.stat().st_size, reverse=True)
-    total = sum(p.stat().st_size for p in files)
+    files = sorted(sizes, key=lambda p: sizes[p], reverse=True)
+    total = sum(sizes.values())
     if progress is None:
         progress = sys.stderr.isatty()
     bar = None
@@ -96,4 +97,4 @@ def hash_shards(
     finally:
         if bar is not None:
             bar.close()
-    return {p.name: d for p, d in zip(files, digests)}
+    return {p.name: d for p, d in zip(files, digests, strict=True)}

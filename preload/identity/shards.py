@@ -75,10 +75,16 @@ def shard_paths(checkpoint: str | os.PathLike[str]) -> list[Path]:
         raise CheckpointError(f"checkpoint directory {ckpt} does not exist")
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint {ckpt} is not a directory")
-    names = sorted(
-        (e.name for e in os.scandir(ckpt) if e.name.endswith(".safetensors") and not e.is_dir()),
-        key=lambda n: n.encode(),
-    )
+    try:
+        entries = [e for e in os.scandir(ckpt) if e.name.endswith(".safetensors")]
+    except OSError as exc:
+        raise CheckpointError(f"cannot list checkpoint {ckpt}: {exc.strerror or exc}") from exc
+    # vLLM globs *.safetensors and would try to load a directory so named;
+    # skipping it here would hash a different set than the engine reads.
+    for e in entries:
+        if not e.is_file():
+            raise CheckpointError("is not a regular file (a directory or a special file?)", e.name)
+    names = sorted((e.name for e in entries), key=lambda n: n.encode())
     index = ckpt / INDEX_NAME
     if index.is_file():
         wanted = _index_files(index)

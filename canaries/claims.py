@@ -1,0 +1,103 @@
+"""What content a replica claims to serve, from a source other than its answers.
+
+A golden file is only a fair yardstick for a replica that serves the same
+content. The claim comes from the operator (``--expect-digest``), from the
+replica's own load event (``--events-file``: the ``verified_cache`` loader
+appends one JSON line per load), or from the daemon's ``/metrics``
+(``--metrics-url``: every serving rank carries a ``digest`` label).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from canaries.errors import GoldenError
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_RANK_UP = re.compile(r'^preload_gate_rank_up\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)\s*$')
+_DIGEST_LABEL = re.compile(r'digest="([0-9a-fA-F]{64})"')
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A digest a replica claims to serve, and where the claim came from."""
+
+    digest: str
+    source: str
+
+
+def expected(digest: str) -> Claim:
+    d = digest.strip().lower()
+    if not _HEX64.match(d):
+        raise GoldenError(f"--expect-digest must be 64 hex characters, got {digest!r}")
+    return Claim(d, "--expect-digest")
+
+
+def from_events_file(path: str | Path) -> Claim:
+    """The digest of the weights the replica's last load put in memory.
+
+    Weights from the daemon are its content (``daemon_digest``); a miss
+    that fell back read the checkpoint from disk (``digest``); a load that
+    served nothing (an error, a miss without fallback) is no claim at all.
+    """
+    p = Path(path)
+    try:
+        lines = [ln for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    except OSError as exc:
+        raise GoldenError(f"cannot read events file {p}: {exc.strerror or exc}") from exc
+    if not lines:
+        raise GoldenError(f"events file {p} holds no load event")
+    try:
+        event = json.loads(lines[-1])
+    except ValueError as exc:
+        raise GoldenError(f"events file {p}: last line is not JSON ({exc})") from exc
+    if not isinstance(event, dict):
+        raise GoldenError(f"events file {p}: last line is not a load event")
+    outcome = event.get("outcome")
+    # ``source`` (daemon|disk|none) says where the weights came from; older
+    # events without it are read by outcome: a hit is the daemon's.
+    source = event.get("source") or {"hit": "daemon", "miss": "disk"}.get(str(outcome), "none")
+    field = {"daemon": "daemon_digest", "disk": "digest"}.get(str(source))
+    if field is None:
+        raise GoldenError(
+            f"events file {p}: last load ended in {outcome!r} ({event.get('reason')}); the replica serves nothing to check"
+        )
+    digest = str(event.get(field) or "").lower()
+    if not _HEX64.match(digest):
+        raise GoldenError(f"events file {p}: last {outcome} event has no valid {field}")
+    return Claim(digest, f"load event ({outcome}) in {p}")
+
+
+def parse_metrics(text: str, source: str) -> Claim:
+    """The one digest every serving rank of a daemon reports in ``/metrics``."""
+    digests = set()
+    for line in text.splitlines():
+        m = _RANK_UP.match(line.strip())
+        if m is None:
+            continue
+        try:
+            up = float(m.group("value"))
+        except ValueError:
+            continue
+        d = _DIGEST_LABEL.search(m.group("labels"))
+        if up == 1 and d:
+            digests.add(d.group(1).lower())
+    if not digests:
+        raise GoldenError(f"{source}: no serving rank reports a digest (preload_gate_rank_up == 1)")
+    if len(digests) > 1:
+        raise GoldenError(f"{source}: ranks report different digests: {', '.join(sorted(d[:16] for d in digests))}")
+    return Claim(digests.pop(), source)
+
+
+def from_metrics_url(url: str, timeout_s: float = 5.0) -> Claim:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 (operator-given URL)
+            text = resp.read(1 << 20).decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise GoldenError(f"cannot read daemon metrics at {url}: {exc}") from exc
+    return parse_metrics(text, f"daemon metrics at {url}")

@@ -1,0 +1,123 @@
+"""``preload-gate canary record|check``.
+
+Exit codes of ``check``: 0 every replica matched the golden, 1 at least one
+did not (or could not be asked), 2 the check could not run (bad golden,
+refused golden, bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from canaries.errors import GoldenError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("canary", help="record golden answers; check serving replicas against them")
+    verbs = p.add_subparsers(dest="canary_verb", metavar="record|check")
+    verbs.required = True
+
+    r = verbs.add_parser("record", help="record a golden file from an auto (disk-loaded) engine")
+    r.add_argument("--model", required=True, help="checkpoint directory")
+    r.add_argument("--out", required=True, help="golden file to write (atomically)")
+    r.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
+    r.add_argument("--top-logprobs", type=int, default=5, help="top logprobs per position (default 5)")
+    r.add_argument("--prompts", default=None, help="prompts file: one per line, or a JSON list (.json)")
+    r.add_argument("--dtype", default="bfloat16", help="engine dtype (the replicas' dtype)")
+    r.add_argument("--max-model-len", type=int, default=256)
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds for the recording engine")
+    r.add_argument("--json", action="store_true", help="print the golden's key as JSON")
+    r.set_defaults(func=_record)
+
+    c = verbs.add_parser("check", help="ask replicas the golden prompts; exit 0 only if all match")
+    c.add_argument("--base-url", action="append", required=True, dest="base_urls",
+                   help="replica's OpenAI base URL (http://host:port or .../v1); repeat for many")
+    c.add_argument("--golden", required=True, help="golden file from `canary record`")
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.add_argument("--timeout", type=float, default=30.0, help="seconds per attempt per replica (default 30)")
+    c.add_argument("--retries", type=int, default=2, help="retries of an unreachable/slow/5xx replica (default 2)")
+    c.add_argument("--tolerance", type=float, default=None,
+                   help="largest absolute logprob difference accepted (default 0.05)")
+    c.add_argument("--model", default=None, help="served model name (default: the replica's only model)")
+    c.add_argument("--concurrency", type=int, default=8, help="replicas asked at once")
+    c.add_argument("--api-key", default=None, help="bearer token (default $OPENAI_API_KEY or EMPTY)")
+    claim = c.add_mutually_exclusive_group()
+    claim.add_argument("--expect-digest", default=None, help="the content digest every replica must serve")
+    claim.add_argument("--events-file", action="append", default=None, dest="events_files",
+                       help="a replica's load events file; one for all replicas, or one per --base-url in order")
+    claim.add_argument("--metrics-url", action="append", default=None, dest="metrics_urls",
+                       help="the daemon's /metrics URL; one for all replicas, or one per --base-url in order")
+    c.set_defaults(func=_check)
+
+
+def _record(args: argparse.Namespace) -> int:
+    from canaries.golden import record
+    from canaries.prompts import load_prompts
+
+    prompts = load_prompts(args.prompts) if args.prompts else None
+    golden = record(
+        args.model, args.out, prompts=prompts, max_tokens=args.max_tokens, top_logprobs=args.top_logprobs,
+        dtype=args.dtype, max_model_len=args.max_model_len, timeout_s=args.timeout,
+    )
+    if args.json:
+        print(json.dumps({"golden": args.out, **golden.key(), "prompts": len(golden.prompts)}, indent=2))
+    else:
+        print(f"golden      {args.out}")
+        print(f"digest      {golden.digest}")
+        print(f"vllm        {golden.vllm_version}")
+        print(f"prompts     {len(golden.prompts)} x {golden.sampling.max_tokens} tokens, "
+              f"top {golden.sampling.top_logprobs} logprobs")
+    return 0
+
+
+def _per_replica(values: list[str] | None, urls: list[str], flag: str) -> list[tuple[str, str]]:
+    if not values:
+        return []
+    if len(values) == 1:
+        return [(u, values[0]) for u in urls]
+    if len(values) != len(urls):
+        raise GoldenError(f"give one {flag} for all replicas or one per --base-url ({len(urls)}), not {len(values)}")
+    return list(zip(urls, values, strict=True))
+
+
+def _check(args: argparse.Namespace) -> int:
+    import os
+
+    from canaries import claims as claim_sources
+    from canaries.check import check
+    from canaries.compare import DEFAULT_TOLERANCE
+    from canaries.golden import load_golden
+
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):
+        # One line per request from the HTTP client would bury the verdicts.
+        for name in ("httpx", "httpx2", "openai"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    golden = load_golden(args.golden)
+    urls: list[str] = args.base_urls
+    claims = {}
+    for url, path in _per_replica(args.events_files, urls, "--events-file"):
+        claims[url] = claim_sources.from_events_file(path)
+    for url, murl in _per_replica(args.metrics_urls, urls, "--metrics-url"):
+        claims[url] = claim_sources.from_metrics_url(murl)
+    if args.timeout <= 0 or args.retries < 0 or args.concurrency < 1:
+        raise GoldenError("--timeout must be > 0, --retries >= 0, --concurrency >= 1")
+    tolerance = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    if tolerance < 0:
+        raise GoldenError("--tolerance must be >= 0")
+    report = check(
+        urls, golden, timeout=args.timeout, retries=args.retries, tolerance=tolerance,
+        expect_digest=args.expect_digest, claims=claims, model=args.model, concurrency=args.concurrency,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY",
+    )
+    if args.json:
+        print(json.dumps({"golden": args.golden, **report.to_json()}, indent=2))
+    else:
+        for r in report.results:
+            print(r.line())
+        n_ok = sum(r.ok for r in report.results)
+        print(f"{n_ok}/{len(report.results)} replicas match golden {golden.digest[:16]} "
+              f"(vLLM {golden.vllm_version})", file=sys.stdout)
+    return 0 if report.ok else 1

@@ -1,0 +1,157 @@
+"""Comparing a replica's answer with the golden one: tokens exactly, logprobs within a tolerance.
+
+Pure functions, no network, so the rules are unit-tested on their own.
+
+Tokens are compared exactly: at temperature 0 the same weights on the same
+vLLM give the same greedy tokens, and one differing token is what a wrong
+cache looks like from outside. Logprobs are compared within an absolute
+tolerance, because batching and kernel choice move the last bits of a
+reduced-precision forward pass; a tolerance is a statement of how much, and
+the result reports the largest difference seen so a reader can judge it.
+
+Top-k sets may legitimately differ at their boundary (two tokens tied for
+k-th place can swap). A token present on one side only is accepted when its
+logprob is within the tolerance of the other side's smallest top-k logprob
+(a boundary tie); otherwise it is drift.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from canaries.golden import GoldenPrompt
+
+# The OpenAI server clamps -inf to -9999 for JSON; clamp the golden side too.
+LOGPROB_FLOOR = -9999.0
+DEFAULT_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A replica's answer to one prompt, as token ids and logprobs."""
+
+    token_ids: list[int]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[int, float]]
+
+
+@dataclass(frozen=True)
+class Difference:
+    """Where a replica first departed from the golden.
+
+    ``kind`` is ``token`` (a different greedy token; ``got_id`` is None when
+    the answer ended early) or ``logprob`` (same tokens, a logprob beyond the
+    tolerance; ``token_id`` names whose logprob).
+    """
+
+    kind: str
+    prompt_index: int
+    position: int
+    expected_id: int | None = None
+    got_id: int | None = None
+    token_id: int | None = None
+    expected_logprob: float | None = None
+    got_logprob: float | None = None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    difference: Difference | None
+    # Largest |golden - replica| logprob over every token compared.
+    max_delta: float
+
+    @property
+    def ok(self) -> bool:
+        return self.difference is None
+
+
+def _clamp(x: float) -> float:
+    return max(x, LOGPROB_FLOOR) if not math.isnan(x) else x
+
+
+def compare_answer(golden: GoldenPrompt, index: int, answer: Answer, tolerance: float) -> Comparison:
+    """Compare one prompt's answer; the first token difference wins over any drift."""
+    expected, got = golden.token_ids, answer.token_ids
+    for pos in range(max(len(expected), len(got))):
+        e = expected[pos] if pos < len(expected) else None
+        g = got[pos] if pos < len(got) else None
+        if e != g:
+            return Comparison(Difference("token", index, pos, expected_id=e, got_id=g), 0.0)
+    max_delta = 0.0
+    for pos, tid in enumerate(expected):
+        got_lp = answer.token_logprobs[pos] if pos < len(answer.token_logprobs) else None
+        diff = _logprob_difference(index, pos, tid, golden.token_logprobs[pos], got_lp, tolerance)
+        if isinstance(diff, Difference):
+            return Comparison(diff, max(max_delta, _delta(diff)))
+        max_delta = max(max_delta, diff)
+        if golden.top_logprobs:
+            want = {int(k): v for k, v in golden.top_logprobs[pos].items()}
+            have = answer.top_logprobs[pos] if pos < len(answer.top_logprobs) else {}
+            result = _compare_top(index, pos, want, have, tolerance)
+            if isinstance(result, Difference):
+                return Comparison(result, max(max_delta, _delta(result)))
+            max_delta = max(max_delta, result)
+    return Comparison(None, max_delta)
+
+
+def _delta(d: Difference) -> float:
+    if d.expected_logprob is None or d.got_logprob is None:
+        return math.inf
+    return abs(_clamp(d.expected_logprob) - _clamp(d.got_logprob))
+
+
+def _logprob_difference(
+    index: int, pos: int, tid: int, expected: float, got: float | None, tolerance: float
+) -> Difference | float:
+    if got is None or math.isnan(got) or math.isnan(expected):
+        return Difference("logprob", index, pos, token_id=tid, expected_logprob=expected, got_logprob=got)
+    delta = abs(_clamp(expected) - _clamp(got))
+    if delta > tolerance:
+        return Difference("logprob", index, pos, token_id=tid, expected_logprob=expected, got_logprob=got)
+    return delta
+
+
+def _compare_top(
+    index: int, pos: int, want: dict[int, float], have: dict[int, float], tolerance: float
+) -> Difference | float:
+    if not want:
+        return 0.0
+    if not have:
+        tid = max(want, key=lambda t: want[t])
+        return Difference("logprob", index, pos, token_id=tid, expected_logprob=want[tid], got_logprob=None)
+    max_delta = 0.0
+    for tid in sorted(set(want) & set(have)):
+        r = _logprob_difference(index, pos, tid, want[tid], have[tid], tolerance)
+        if isinstance(r, Difference):
+            return r
+        max_delta = max(max_delta, r)
+    # A token on one side only: fine if it sits at the other side's boundary.
+    for only, other, missing_side in ((set(want) - set(have), have, "got"), (set(have) - set(want), want, "expected")):
+        if not only:
+            continue
+        floor = min(_clamp(v) for v in other.values())
+        for tid in sorted(only):
+            value = _clamp(want[tid] if missing_side == "got" else have[tid])
+            if value > floor + tolerance:
+                return Difference(
+                    "logprob", index, pos, token_id=tid,
+                    expected_logprob=want.get(tid), got_logprob=have.get(tid),
+                )
+    return max_delta
+
+
+def compare_answers(
+    golden_prompts: Sequence[GoldenPrompt], answers: Sequence[Answer], tolerance: float
+) -> Comparison:
+    """All prompts of one replica: the first difference in prompt order, and the largest drift."""
+    if len(answers) != len(golden_prompts):
+        raise ValueError(f"{len(answers)} answers for {len(golden_prompts)} prompts")
+    max_delta = 0.0
+    for i, (g, a) in enumerate(zip(golden_prompts, answers, strict=True)):
+        c = compare_answer(g, i, a, tolerance)
+        if not c.ok:
+            return Comparison(c.difference, max(max_delta, c.max_delta))
+        max_delta = max(max_delta, c.max_delta)
+    return Comparison(None, max_delta)

@@ -1,0 +1,28 @@
+"""Typed failures of the canary layer; the CLI prints each as one line."""
+
+from __future__ import annotations
+
+from preload.errors import PreloadGateError
+
+
+class GoldenError(PreloadGateError):
+    """A golden file or a prompt set is missing, malformed, or cannot be recorded."""
+
+
+class GoldenRefusedError(PreloadGateError):
+    """The golden file was recorded for other content than a replica claims to serve.
+
+    Comparing them would report a difference that says nothing about the
+    replica (or, worse, a pass that says nothing), so the check refuses.
+    """
+
+    def __init__(self, replica: str, golden_digest: str, claimed_digest: str, source: str) -> None:
+        self.replica = replica
+        self.golden_digest = golden_digest
+        self.claimed_digest = claimed_digest
+        self.source = source
+        super().__init__(
+            f"refusing golden for {replica}: golden was recorded for digest {golden_digest[:16]}, "
+            f"but {source} says the replica serves {claimed_digest[:16]}; "
+            "record a golden for that checkpoint (preload-gate canary record) or check the right replica"
+        )

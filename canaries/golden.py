@@ -1,0 +1,293 @@
+"""Golden records: what a checkpoint answers, greedily, to the canary prompts.
+
+A golden file is keyed by three things, and means nothing outside them:
+the checkpoint's content digest (``preload.identity``), the sampling
+settings, and the vLLM version that produced it. ``record`` captures one
+from an ``auto`` engine (weights read from disk, no cache involved) in a
+subprocess; ``check`` (``canaries.check``) later asks serving replicas the
+same questions over the OpenAI API and compares.
+
+It stores the prompt's token ids, not only its text, so that the check sends
+exactly the tokens the golden engine saw (a replica's tokenizer settings
+cannot move the comparison), and the generated token ids with their text,
+so a difference can be named in words.
+
+>>> g = record("/models/smollm2", "/srv/golden.json", max_tokens=16)  # doctest: +SKIP
+>>> g.digest[:12], len(g.prompts)  # doctest: +SKIP
+('3f5c0a1b2c3d', 5)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from canaries.errors import GoldenError
+from canaries.prompts import DEFAULT_PROMPTS
+from preload import _atomic
+from preload.identity.digest import checkpoint_digest, hash_shards
+from preload.identity.manifest import FileStat
+from preload.identity.shards import shard_paths
+
+FORMAT = "preload-gate-golden/1"
+DEFAULT_MAX_TOKENS = 16
+DEFAULT_TOP_LOGPROBS = 5
+DEFAULT_RECORD_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Everything in a request that decides the tokens and logprobs.
+
+    Penalties and ``ignore_eos`` are stated, not left to defaults, because
+    ``vllm serve`` applies a checkpoint's generation_config.json to requests
+    that leave them out, while an offline engine given explicit
+    ``SamplingParams`` does not: the two would then answer different
+    questions. ``ignore_eos`` keeps every answer ``max_tokens`` long, so a
+    model that says EOS early still gives a full-length canary.
+    """
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    top_logprobs: int = DEFAULT_TOP_LOGPROBS
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise GoldenError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise GoldenError(f"top_logprobs must be in 0..20, got {self.top_logprobs}")
+        if self.temperature != 0.0:
+            raise GoldenError("golden records are greedy: temperature must be 0")
+
+
+@dataclass(frozen=True)
+class GoldenPrompt:
+    """One prompt and the engine's greedy answer to it.
+
+    ``top_logprobs[i]`` maps token id (a string, as JSON keys are) to its
+    logprob at position ``i``; ``token_logprobs[i]`` is the chosen token's.
+    """
+
+    prompt: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Golden:
+    digest: str
+    vllm_version: str
+    sampling: Sampling
+    prompts: list[GoldenPrompt]
+    checkpoint: str = ""
+    engine: dict[str, Any] = field(default_factory=dict)
+    # Decoded text of every token id that appears above, so a check can name
+    # a differing token in words without loading a tokenizer.
+    token_texts: dict[str, str] = field(default_factory=dict)
+    recorded_at: str = ""
+    format: str = FORMAT
+
+    def key(self) -> dict[str, Any]:
+        """What this golden is valid for: content, sampling, vLLM version."""
+        return {"digest": self.digest, "sampling": asdict(self.sampling), "vllm_version": self.vllm_version}
+
+    def token_text(self, token_id: int) -> str | None:
+        return self.token_texts.get(str(token_id))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Any, source: str = "golden") -> Golden:
+        """Parse and validate; a malformed file is one line naming what is wrong."""
+        if not isinstance(obj, dict):
+            raise GoldenError(f"{source}: not a golden record (top level is not an object)")
+        if obj.get("format") != FORMAT:
+            raise GoldenError(f"{source}: format is {obj.get('format')!r}, expected {FORMAT!r}")
+        try:
+            digest = str(obj["digest"]).lower()
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise GoldenError(f"{source}: digest is not 64 hex characters")
+            sampling = Sampling(**obj["sampling"])
+            prompts = [_prompt_from_json(p, sampling, f"{source}: prompt {i}") for i, p in enumerate(obj["prompts"])]
+            token_texts = {str(k): str(v) for k, v in obj.get("token_texts", {}).items()}
+            golden = cls(
+                digest=digest,
+                vllm_version=str(obj["vllm_version"]),
+                sampling=sampling,
+                prompts=prompts,
+                checkpoint=str(obj.get("checkpoint", "")),
+                engine=dict(obj.get("engine", {})),
+                token_texts=token_texts,
+                recorded_at=str(obj.get("recorded_at", "")),
+            )
+        except GoldenError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise GoldenError(f"{source}: malformed golden record ({type(exc).__name__}: {exc})") from exc
+        if not golden.prompts:
+            raise GoldenError(f"{source}: holds no prompt")
+        return golden
+
+
+def _prompt_from_json(p: Any, sampling: Sampling, where: str) -> GoldenPrompt:
+    gp = GoldenPrompt(
+        prompt=str(p["prompt"]),
+        prompt_token_ids=[int(t) for t in p["prompt_token_ids"]],
+        token_ids=[int(t) for t in p["token_ids"]],
+        text=str(p["text"]),
+        token_logprobs=[float(x) for x in p["token_logprobs"]],
+        top_logprobs=[{str(k): float(v) for k, v in step.items()} for step in p["top_logprobs"]],
+    )
+    if not gp.prompt_token_ids:
+        raise GoldenError(f"{where}: no prompt tokens")
+    n = len(gp.token_ids)
+    if n != sampling.max_tokens:
+        raise GoldenError(f"{where}: {n} tokens, but sampling says max_tokens={sampling.max_tokens} with ignore_eos")
+    if len(gp.token_logprobs) != n or (sampling.top_logprobs and len(gp.top_logprobs) != n):
+        raise GoldenError(f"{where}: logprobs do not cover every generated token")
+    return gp
+
+
+def load_golden(path: str | os.PathLike[str]) -> Golden:
+    """Read a golden file written by :func:`record`."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise GoldenError(f"cannot read golden file {p}: {exc.strerror or exc}") from exc
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise GoldenError(f"golden file {p} is not JSON: {exc}") from exc
+    return Golden.from_json(obj, source=str(p))
+
+
+def _shard_stats(checkpoint: Path) -> dict[str, FileStat]:
+    return {p.name: FileStat.of(p) for p in shard_paths(checkpoint)}
+
+
+def content_digest(checkpoint: str | os.PathLike[str]) -> str:
+    """The checkpoint digest, hashed now from every byte (no manifest trusted)."""
+    return checkpoint_digest(hash_shards(shard_paths(checkpoint), progress=False))
+
+
+def record(
+    model: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    prompts: tuple[str, ...] | list[str] | None = None,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    top_logprobs: int = DEFAULT_TOP_LOGPROBS,
+    dtype: str = "bfloat16",
+    max_model_len: int = 256,
+    timeout_s: float = DEFAULT_RECORD_TIMEOUT_S,
+) -> Golden:
+    """Record a golden file for ``model`` from an ``auto`` engine and write it atomically.
+
+    The digest is hashed from the shards before the engine starts, and the
+    shards are stat-ed before and after (size, mtime, ctime, inode): a
+    checkpoint edited while the engine read it is an error, so the digest
+    always names the bytes the answers came from.
+    """
+    ckpt = Path(model).resolve()
+    sampling = Sampling(max_tokens=max_tokens, top_logprobs=top_logprobs)
+    prompt_list = list(prompts if prompts is not None else DEFAULT_PROMPTS)
+    if not prompt_list:
+        raise GoldenError("no prompts to record")
+    before = _shard_stats(ckpt)
+    digest = content_digest(ckpt)
+    spec = {
+        "model": str(ckpt),
+        "prompts": prompt_list,
+        "sampling": asdict(sampling),
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+    }
+    result = _run_worker(spec, timeout_s)
+    if _shard_stats(ckpt) != before:
+        raise GoldenError(f"{ckpt} changed while the golden was being recorded; record again")
+    golden = Golden(
+        digest=digest,
+        vllm_version=result["vllm_version"],
+        sampling=sampling,
+        prompts=[_prompt_from_json(p, sampling, f"recorded prompt {i}") for i, p in enumerate(result["prompts"])],
+        checkpoint=str(ckpt),
+        engine={"load_format": "auto", "dtype": dtype, "max_model_len": max_model_len},
+        token_texts={str(k): str(v) for k, v in result["token_texts"].items()},
+        recorded_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+    _atomic.write_json(out, golden.to_json())
+    return golden
+
+
+def record_env() -> dict[str, str]:
+    """The environment vLLM's CPU build needs to start on a small machine."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def _run_worker(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Run the engine in its own process group; kill the whole group after.
+
+    vLLM leaves engine-core children behind on CPU; killing the group is
+    what makes a hung or crashed engine cost a bounded time.
+    """
+    with tempfile.TemporaryDirectory(prefix="pg-golden-") as work:
+        spec_path, out_path, log_path = Path(work, "spec.json"), Path(work, "result.json"), Path(work, "engine.log")
+        _atomic.write_json(spec_path, spec)
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "canaries._record_worker", str(spec_path), str(out_path)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=record_env(), start_new_session=True,
+            )
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                rc = None
+            finally:
+                _kill_group(proc.pid)
+                proc.wait()
+        tail = log_path.read_bytes()[-3000:].decode("utf-8", "replace")
+        if rc is None:
+            raise GoldenError(f"recording engine timed out after {timeout_s:.0f} s; log tail:\n{tail}")
+        try:
+            result = json.loads(out_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            raise GoldenError(f"recording engine exited with code {rc} and wrote no result; log tail:\n{tail}") from None
+    if not result.get("ok"):
+        raise GoldenError(f"recording engine failed: {result.get('error')}")
+    return result
+
+
+def _kill_group(pgid: int) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)

@@ -1,0 +1,166 @@
+"""Benchmarks: each row measures an anchor and ours side by side, in one run.
+
+Performance claims are ratios, never timed assertions in tests: a row runs
+the anchor (what a user would otherwise do: vLLM's header hash, sequential
+``sha256sum``, a disk load) and ours on the same inputs in the same process
+and reports both figures and their ratio. Rows register themselves with
+``@bench_row``; ``ROW_MODULES`` lists the modules that hold rows (a module
+that is not there yet is skipped; one that fails to import is an error).
+
+>>> results = run_rows(BenchOptions(size_bytes=64 << 20), only=["restart_identity"])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from preload.errors import PreloadGateError
+
+# Modules that define rows, in the order the table lists them.
+ROW_MODULES = (
+    "harness.bench.identity",
+    "harness.bench.daemon",
+    "harness.bench.gpu",
+    "harness.bench.gate",
+    "harness.bench.load",
+)
+
+
+class BenchError(PreloadGateError):
+    """A benchmark cannot run as asked (unknown row, bad option, missing tool)."""
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """Knobs shared by rows; ``params`` carries row-specific ``KEY=VALUE`` settings."""
+
+    workdir: Path | None = None
+    size_bytes: int = 2 << 30
+    params: dict[str, str] = field(default_factory=dict)
+
+    def param(self, key: str, default: str) -> str:
+        return self.params.get(key, default)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured quantity (e.g. wall seconds of header_only)."""
+
+    label: str
+    value: float
+    unit: str
+
+    def text(self) -> str:
+        v = self.value
+        shown = f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return f"{shown} {self.unit}".strip()
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """A row's outcome: the anchor, ours, their ratio (anchor / ours unless
+    ``ratio_meaning`` says otherwise), raw details, and notes on method."""
+
+    row: str
+    title: str
+    anchor: Figure
+    ours: Figure
+    ratio: float | None
+    ratio_meaning: str
+    target: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    notes: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    name: str
+    title: str
+    run: Callable[[BenchOptions], list[BenchResult]]
+
+
+ROWS: dict[str, BenchRow] = {}
+
+
+def bench_row(name: str, title: str) -> Callable[[Callable[[BenchOptions], list[BenchResult]]], Callable[[BenchOptions], list[BenchResult]]]:
+    """Register a row function; it returns one or more results."""
+
+    def deco(fn: Callable[[BenchOptions], list[BenchResult]]) -> Callable[[BenchOptions], list[BenchResult]]:
+        if name in ROWS:
+            raise BenchError(f"benchmark row {name!r} is registered twice")
+        ROWS[name] = BenchRow(name, title, fn)
+        return fn
+
+    return deco
+
+
+def load_rows() -> dict[str, BenchRow]:
+    for module in ROW_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+    return ROWS
+
+
+def run_rows(options: BenchOptions, only: Iterable[str] | None = None) -> list[BenchResult]:
+    rows = load_rows()
+    names = list(only) if only else list(rows)
+    unknown = [n for n in names if n not in rows]
+    if unknown:
+        raise BenchError(f"unknown benchmark rows {unknown}; known: {', '.join(rows)}")
+    results: list[BenchResult] = []
+    for n in names:
+        results.extend(rows[n].run(options))
+    return results
+
+
+def markdown(results: list[BenchResult]) -> str:
+    """The table people read: the anchor beside ours in every row."""
+    lines = [
+        "| row | anchor | ours | ratio | target | notes |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ratio = "n/a" if r.ratio is None else f"{r.ratio:.2f}x ({r.ratio_meaning})"
+        lines.append(
+            f"| {r.title} | {r.anchor.label}: {r.anchor.text()} | {r.ours.label}: {r.ours.text()} "
+            f"| {ratio} | {r.target} | {r.notes} |"
+        )
+    # Rows may attach the raw measurements as details["table"] (a list of
+    # flat dicts); each distinct table is printed once, below the summary.
+    seen: list[object] = []
+    for r in results:
+        table = r.details.get("table")
+        if not table or any(table is t for t in seen):
+            continue
+        seen.append(table)
+        cols = list(table[0])
+        lines += ["", f"{r.row}: raw measurements", ""]
+        lines.append("| " + " | ".join(cols) + " |")
+        lines.append("|" + "---|" * len(cols))
+        lines += ["| " + " | ".join(str(row[c]) for c in cols) + " |" for row in table]
+    return "\n".join(lines) + "\n"
+
+
+def parse_size(text: str) -> int:
+    """``2G``, ``512M``, ``64K`` (binary units, optional trailing B/iB) or a byte count."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise BenchError(f"bad size {text!r}; use e.g. 2G, 512M, 65536")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2)]
+    return int(float(m.group(1)) * scale)
+
+
+def default_workdir() -> Path:
+    return Path(os.environ.get("PRELOAD_GATE_BENCH_DIR") or os.environ.get("TMPDIR") or "/tmp")

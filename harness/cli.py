@@ -1,0 +1,137 @@
+"""Verbs of the harness layer. Each verb is one ``_register_<verb>`` function
+listed in ``register``; add a verb by adding one function and one line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    for add in _VERBS:
+        add(sub)
+
+
+def _register_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks: anchor vs ours, side by side, as ratios")
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.add_argument("--out", default=None, help="also write DIR/bench.json and DIR/bench.md")
+    p.add_argument("--only", default=None, help="comma-separated row names (default: all)")
+    p.add_argument("--list", action="store_true", help="list the rows and exit")
+    p.add_argument("--size", default="2G", help="bytes for throughput rows (e.g. 2G; 64M for CI)")
+    p.add_argument("--workdir", default=None, help="where rows write their scratch checkpoints")
+    p.add_argument(
+        "--param", action="append", default=[], metavar="KEY=VALUE",
+        help="row-specific setting, e.g. latency_ms=50, shards=66",
+    )
+    p.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from harness.bench import BenchError, BenchOptions, load_rows, markdown, parse_size, run_rows
+    from preload import _atomic
+
+    if args.list:
+        for row in load_rows().values():
+            print(f"{row.name:<24} {row.title}")
+        return 0
+    params = {}
+    for item in args.param:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise BenchError(f"--param wants KEY=VALUE, got {item!r}")
+        params[key] = value
+    options = BenchOptions(
+        workdir=Path(args.workdir) if args.workdir else None,
+        size_bytes=parse_size(args.size),
+        params=params,
+    )
+    only = [n for n in args.only.split(",") if n] if args.only else None
+    results = run_rows(options, only)
+    doc = {"results": [r.to_json() for r in results]}
+    table = markdown(results)
+    if args.out:
+        out = Path(args.out)
+        _atomic.write_json(out / "bench.json", doc)
+        _atomic.write_text(out / "bench.md", table)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        sys.stdout.write(table)
+    return 0
+
+
+def _register_gate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "gate",
+        help="cached engine vs auto on mutated or real candidates; exit 0 pass, 1 blocked, 2 not run",
+    )
+    p.add_argument("candidate", help="the checkpoint to gate (with --mutations: the base to mutate)")
+    p.add_argument("--base", default=None,
+                   help="self-test: the base to mutate (default CANDIDATE); promotion: the checkpoint "
+                        "the running daemon holds, checked to miss loudly on the candidate")
+    p.add_argument("--target", default="verified_cache", choices=("verified_cache", "ipc_cache"))
+    p.add_argument("--mutations", default=None, metavar="all|NAME,..",
+                   help="run the self-test matrix (default: promotion gate on CANDIDATE)")
+    p.add_argument("--report", default=None, metavar="DIR", help="write report.{json,md,xml,html} here")
+    p.add_argument("--json", action="store_true", help="print report.json to stdout")
+    _gate_options(p)
+    p.add_argument("--unsafe-identity", choices=("header_only",), default=None,
+                   help="NEGATIVE CONTROL: daemon and loader key by vLLM's header hash (must BLOCK)")
+    p.add_argument("--unsafe-silent-fallback", action="store_true",
+                   help="NEGATIVE CONTROL: the loader falls back without an event (must BLOCK)")
+    p.add_argument("--no-golden", action="store_true", help="promotion: do not record the canary golden")
+    p.set_defaults(func=_gate)
+
+
+def _gate_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--jobs", type=int, default=1, help="engines at once (each takes a core or two)")
+    p.add_argument("--run-tp", action="store_true", help="run the TP=2 case end to end (two cores)")
+    p.add_argument("--workdir", default=None, help="keep candidates and engine logs here")
+    p.add_argument("--reference-cache", default=None,
+                   help="auto results by (digest, settings, vLLM) (default ~/.cache/preload-gate/references)")
+    p.add_argument("--engine-timeout", type=float, default=300.0, help="seconds per engine")
+
+
+def _gate(args: argparse.Namespace) -> int:
+    from harness.gate import GateOptions, run_gate
+    from harness.report import write_reports
+    from harness.report.terminal import TerminalProgress, print_summary
+
+    report = run_gate(GateOptions(
+        candidate=args.candidate, base=args.base, target=args.target, mutations=args.mutations,
+        report_dir=args.report, workdir=args.workdir, reference_cache=args.reference_cache,
+        unsafe_identity=args.unsafe_identity, unsafe_silent_fallback=args.unsafe_silent_fallback,
+        run_tp=args.run_tp, jobs=args.jobs, engine_timeout_s=args.engine_timeout,
+        record_golden=not args.no_golden, progress=None if args.json else TerminalProgress(),
+    ))
+    doc = report.to_json()
+    if args.report:
+        write_reports(doc, args.report)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print_summary(doc)
+    return report.exit_code
+
+
+def _register_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="the self-test end to end on an embedded model (tiny by default)")
+    p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    p.add_argument("--report", default="preload-gate-report", metavar="DIR")
+    p.add_argument("--mutations", default="all", metavar="all|NAME,..")
+    _gate_options(p)
+    p.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from harness.demo import run_demo
+
+    return run_demo(model=args.model, report_dir=args.report, mutations=args.mutations, jobs=args.jobs,
+                    workdir=args.workdir, reference_cache=args.reference_cache)
+
+
+# Verbs in the order --help lists them.
+_VERBS = [_register_bench, _register_gate, _register_demo]

@@ -1,0 +1,135 @@
+"""The preload daemon as a child of the gate: start, wait for ready, stop.
+
+The gate drives the daemon through its CLI (``preload-gate preload``), as an
+operator would, so what is judged is the shipped entry point. The daemon
+runs in its own process group; stopping it signals the whole group, and a
+daemon that never says ready within the deadline is killed and its log tail
+becomes the error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from preload.errors import PreloadGateError
+
+READY_TIMEOUT_S = 240.0
+
+
+class DaemonStartError(PreloadGateError):
+    """The preload daemon exited or stayed silent instead of reporting ready."""
+
+
+@dataclass
+class DaemonProcess:
+    """A running ``preload-gate preload`` and the ready line it printed."""
+
+    checkpoint: str
+    socket_root: str
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+    ready: dict[str, Any] = field(default_factory=dict)
+    start_seconds: float = 0.0
+
+    def start(self, timeout_s: float = READY_TIMEOUT_S) -> DaemonProcess:
+        cmd = [sys.executable, "-m", "preload_gate", "preload", self.checkpoint,
+               "--socket-root", self.socket_root, *self.args]
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the daemon
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                                     env=env, start_new_session=True)
+        log.close()
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        buf = b""
+        deadline = t0 + timeout_s
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DaemonStartError(f"daemon on {self.checkpoint} not ready after {timeout_s:.0f} s"
+                                           f"{self._tail()}")
+                if not sel.select(timeout=min(left, 1.0)):
+                    if self.proc.poll() is not None:
+                        raise DaemonStartError(f"daemon exited with code {self.proc.returncode} before "
+                                               f"ready{self._tail()}")
+                    continue
+                chunk = os.read(self.proc.stdout.fileno(), 65536)
+                if not chunk:
+                    self.proc.wait(timeout=10)
+                    raise DaemonStartError(f"daemon exited with code {self.proc.returncode} before "
+                                           f"ready{self._tail()}")
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    try:
+                        obj = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(obj, dict) and obj.get("event") == "ready":
+                        self.ready = obj
+                        self.start_seconds = time.monotonic() - t0
+                        return self
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            sel.close()
+
+    @property
+    def digest(self) -> str:
+        return str(self.ready.get("digest", ""))
+
+    def _tail(self, chars: int = 2000) -> str:
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "; log tail:\n" + text[-chars:] if text else ""
+
+    def stop(self) -> None:
+        """SIGTERM the group (clean shutdown removes sockets), SIGKILL stragglers."""
+        if self.proc is None:
+            return
+        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(self.proc.pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+            else:
+                continue
+            break
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.proc = None
+
+    def __enter__(self) -> DaemonProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

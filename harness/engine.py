@@ -1,0 +1,251 @@
+"""Engine runners: one vLLM engine per subprocess, results as JSON.
+
+Isolation is the point. An engine that crashes, aborts in a kernel or hangs
+is a verdict with its log tail, never a hung or dead gate: the worker runs
+in its own session (process group), has a wall-clock limit, and the whole
+group is killed when it ends, however it ended (vLLM leaves engine-core
+children behind on CPU).
+
+>>> spec = EngineSpec(checkpoint="/models/tiny")  # doctest: +SKIP
+>>> run_engine(spec, workdir="/tmp/run1").token_ids[0][:4]  # doctest: +SKIP
+[17, 305, 12, 88]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from preload import _atomic
+
+# A handful of short prompts: greedy decoding over several contexts catches a
+# weight difference that one prompt might not reach.
+DEFAULT_PROMPTS: tuple[str, ...] = (
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "1, 2, 3, 4,",
+)
+
+DEFAULT_TIMEOUT_S = 300.0
+LOG_TAIL_CHARS = 4000
+_WEIGHTS_LOG = re.compile(r"Loading weights took ([0-9.]+) seconds")
+_MODEL_LOG = re.compile(r"Model loading took [0-9.]+ \w+ (?:memory )?and ([0-9.]+) seconds")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What one engine runs: checkpoint, load format, parallelism, dtype, prompts."""
+
+    checkpoint: str
+    load_format: str = "auto"
+    extra_config: dict[str, Any] | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    dtype: str = "bfloat16"
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    max_tokens: int = 16
+    top_logprobs: int = 5
+    max_model_len: int = 256
+    seed: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def settings(self) -> dict[str, Any]:
+        """The settings that decide an `auto` engine's output (not where the
+        checkpoint lives, not how the cached engine finds its daemon)."""
+        return {
+            "dtype": self.dtype,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "data_parallel_size": self.data_parallel_size,
+            "prompts": list(self.prompts),
+            "max_tokens": self.max_tokens,
+            "top_logprobs": self.top_logprobs,
+            "max_model_len": self.max_model_len,
+            "seed": self.seed,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["prompts"] = list(self.prompts)
+        return d
+
+
+@dataclass
+class EngineResult:
+    """Greedy tokens, top logprobs, load events and phase timings of one run.
+
+    ``ok`` is False when the engine failed to start or answer; ``error`` then
+    says why and ``log_tail`` holds the end of its log.
+    """
+
+    ok: bool
+    token_ids: list[list[int]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    # Per prompt, per position: {token_id (str): logprob}.
+    logprobs: list[list[dict[str, float]]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    log_tail: str = ""
+    returncode: int | None = None
+    timed_out: bool = False
+    vllm_version: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> EngineResult:
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in obj.items() if k in names})
+
+
+def engine_env(spec: EngineSpec) -> dict[str, str]:
+    """The environment vLLM's CPU build needs to start on a small shared machine."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    if spec.tensor_parallel_size == 2 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    env.update(spec.env)
+    return env
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """Every JSON line of an events file; a malformed line is kept as an error record."""
+    if not path.exists():
+        return []
+    events: list[dict[str, Any]] = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = {"outcome": "malformed", "raw": line[:200]}
+        events.append(obj if isinstance(obj, dict) else {"outcome": "malformed", "raw": line[:200]})
+    return events
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the worker's whole process group, then SIGKILL what is left."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+
+
+def _tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - chars))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def run_engine(
+    spec: EngineSpec,
+    workdir: str | os.PathLike[str],
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> EngineResult:
+    """Run ``spec`` in a fresh worker process; never raises for engine failures.
+
+    ``workdir`` receives spec.json, result.json, events.jsonl and engine.log.
+    A cached engine's ``events_file`` is pointed into ``workdir`` unless the
+    spec names one.
+    """
+    wd = Path(workdir)
+    wd.mkdir(parents=True, exist_ok=True)
+    events_path = wd / "events.jsonl"
+    if events_path.exists():
+        events_path.unlink()
+    body = spec.to_json()
+    if spec.extra_config is not None:
+        extra = dict(spec.extra_config)
+        extra.setdefault("events_file", str(events_path))
+        events_path = Path(extra["events_file"])
+        body["extra_config"] = extra
+    spec_path, out_path, log_path = wd / "spec.json", wd / "result.json", wd / "engine.log"
+    _atomic.write_json(spec_path, body)
+    if out_path.exists():
+        out_path.unlink()
+    env = engine_env(spec)
+    env.setdefault("PRELOAD_GATE_EVENTS", str(events_path))
+    t0 = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "harness.engine_worker", str(spec_path), str(out_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        timed_out = False
+        try:
+            rc: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            rc = None
+        finally:
+            _kill_group(proc)
+            if rc is None:
+                rc = proc.wait()
+    wall = time.monotonic() - t0
+    log_text = log_path.read_text(encoding="utf-8", errors="replace")
+    result = _collect(out_path, rc, timed_out, timeout_s, log_text)
+    result.events = read_events(events_path)
+    result.timings["wall"] = round(wall, 3)
+    loads = [float(e["seconds"]) for e in result.events if isinstance(e.get("seconds"), (int, float))]
+    if loads:  # the loader's own measure of its load, slowest rank
+        result.timings["weights_load"] = round(max(loads), 4)
+    elif m := _WEIGHTS_LOG.search(log_text):
+        result.timings["weights_load"] = float(m.group(1))
+    elif m := _MODEL_LOG.search(log_text):
+        result.timings["weights_load"] = float(m.group(1))
+    if not result.ok:
+        result.log_tail = _tail(log_path)
+    return result
+
+
+def _collect(out_path: Path, rc: int | None, timed_out: bool, timeout_s: float, log: str) -> EngineResult:
+    if timed_out:
+        return EngineResult(ok=False, error=f"engine timed out after {timeout_s:.0f} s", returncode=rc, timed_out=True)
+    try:
+        obj = json.loads(out_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return EngineResult(ok=False, error=f"engine exited with code {rc} and wrote no result", returncode=rc)
+    except ValueError as exc:
+        return EngineResult(ok=False, error=f"engine result is not JSON: {exc}", returncode=rc)
+    if not obj.get("ok"):
+        return EngineResult(ok=False, error=obj.get("error") or f"engine failed (code {rc})", returncode=rc)
+    marks = {k: round(float(v), 3) for k, v in obj.get("marks", {}).items()}
+    return EngineResult(
+        ok=True,
+        token_ids=obj["token_ids"],
+        texts=obj["texts"],
+        logprobs=obj["logprobs"],
+        timings=marks,
+        returncode=rc,
+        vllm_version=obj.get("vllm_version"),
+    )

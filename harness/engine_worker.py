@@ -1,0 +1,104 @@
+"""One vLLM engine in its own process: load, greedy-decode, write JSON, exit.
+
+Run by :mod:`harness.engine` as ``python -m harness.engine_worker SPEC OUT``.
+The spec and the result are JSON files (never pickle): the harness and the
+engine share no Python objects, so a crash, an abort in a C++ kernel or a
+hang inside vLLM costs this process, not the gate.
+
+The result records wall-clock phase marks measured from this process's
+start (``process_start`` is the harness's spawn, measured by the harness):
+``imported`` (vLLM importable), ``ready`` (the ``LLM`` constructor
+returned: weights loaded and the engine warmed up), ``first_token`` (a
+one-token greedy request answered) and ``done``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+T0 = time.monotonic()
+
+
+def _top_logprobs(step: Any) -> dict[str, float]:
+    """``{token_id: logprob}`` for one position; JSON keys are strings."""
+    if not step:
+        return {}
+    return {str(int(tid)): float(lp.logprob) for tid, lp in step.items()}
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm import __version__ as vllm_version
+
+    marks: dict[str, float] = {"imported": time.monotonic() - T0}
+    kwargs: dict[str, Any] = {
+        "model": spec["checkpoint"],
+        "load_format": spec["load_format"],
+        "dtype": spec["dtype"],
+        "tensor_parallel_size": spec["tensor_parallel_size"],
+        "max_model_len": spec["max_model_len"],
+        "enforce_eager": True,
+        "gpu_memory_utilization": spec.get("gpu_memory_utilization", 0.1),
+        "seed": spec.get("seed", 0),
+    }
+    if spec.get("data_parallel_size", 1) != 1:
+        kwargs["data_parallel_size"] = spec["data_parallel_size"]
+    if spec.get("extra_config") is not None:
+        kwargs["model_loader_extra_config"] = spec["extra_config"]
+    llm = LLM(**kwargs)
+    marks["ready"] = time.monotonic() - T0
+    params = SamplingParams(
+        temperature=0.0, max_tokens=spec["max_tokens"], logprobs=spec["top_logprobs"], seed=0
+    )
+    prompts = list(spec["prompts"])
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    marks["first_token"] = time.monotonic() - T0
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    marks["done"] = time.monotonic() - T0
+    token_ids, texts, logprobs = [], [], []
+    for out in outputs:
+        comp = out.outputs[0]
+        token_ids.append([int(t) for t in comp.token_ids])
+        texts.append(comp.text)
+        logprobs.append([_top_logprobs(step) for step in (comp.logprobs or [])])
+    return {
+        "ok": True,
+        "token_ids": token_ids,
+        "texts": texts,
+        "logprobs": logprobs,
+        "marks": marks,
+        "vllm_version": vllm_version,
+    }
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m harness.engine_worker SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    for k, v in spec.get("env", {}).items():
+        os.environ[k] = str(v)
+    try:
+        result = run(spec)
+    except Exception as exc:  # the verdict needs the reason, not a traceback in the void
+        import traceback
+
+        traceback.print_exc()
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    from preload import _atomic
+
+    _atomic.write_json(argv[1], result)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # vLLM's engine-core processes and atexit hooks occasionally hang on
+    # shutdown on CPU; the result is on disk, so leave without them.
+    os._exit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

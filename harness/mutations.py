@@ -1,0 +1,177 @@
+"""The gate's case catalogue: file mutations plus engine-setting shifts.
+
+File recipes live in :mod:`fixtures.mutations` (one table, one row per
+recipe); this module does not repeat them. It adds what only the gate
+needs: the engine settings of each case and the outcome the cached engine
+must have. A case whose candidate weights equal the base's under the
+daemon's settings must *hit*; every other case must *miss loudly* (a miss
+event naming its reason, then a disk load that matches ``auto``).
+
+Engine-setting cases keep the base's bytes and change what the engine asks
+for: the data-parallel size, the tensor-parallel size, the dtype. Each also
+has a key-level check that needs no engine: the ``WeightCacheKey`` built for
+the daemon's settings against the one built for the engine's must differ in
+the named fields. Where the platform cannot run a case end to end, the
+case says why and the report shows it as not run; the key check still runs.
+
+>>> [c.name for c in select_cases("zeroed_norm,dtype_change")]
+['zeroed_norm', 'dtype_change']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fixtures.mutations import MUTATIONS, Mutation
+from preload.errors import PreloadGateError
+from preload.identity.key import WeightCacheKey
+
+
+class CaseSelectionError(PreloadGateError):
+    """``--mutations`` named a case the catalogue does not have."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The settings a case's engines run with (the daemon keeps the base's)."""
+
+    dtype: str = "bfloat16"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+
+BASE_SETTINGS = EngineSettings()
+
+
+@dataclass(frozen=True)
+class KeyCheck:
+    """Outcome of comparing the daemon's key with the engine's for one case."""
+
+    expected_fields: tuple[str, ...]
+    mismatched_fields: tuple[str, ...]
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return set(self.expected_fields) <= set(self.mismatched_fields) and (
+            bool(self.expected_fields) or not self.mismatched_fields
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "expected_fields": list(self.expected_fields),
+            "mismatched_fields": list(self.mismatched_fields),
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
+class GateCase:
+    """One row of the gate: a candidate recipe, engine settings, a required outcome.
+
+    ``recipe`` is a :class:`fixtures.mutations.Mutation` (None: the candidate
+    is the base itself). ``cpu_skip`` is the reason the CPU platform does not
+    run the case end to end (empty: it runs).
+    """
+
+    name: str
+    description: str
+    recipe: Mutation | None
+    weights_equal: bool
+    settings: EngineSettings = BASE_SETTINGS
+    expected_fields: tuple[str, ...] = ()
+    cpu_skip: str = ""
+    key_builder: Callable[[str, EngineSettings], WeightCacheKey] | None = field(
+        default=None, compare=False
+    )
+
+    @property
+    def expect(self) -> str:
+        """``hit`` when the daemon's resident tensors are exactly what the engine needs."""
+        return "hit" if self.weights_equal and self.settings == BASE_SETTINGS else "miss"
+
+    @property
+    def in_place(self) -> bool:
+        return bool(self.recipe and self.recipe.in_place)
+
+    def key_check(self, digest: str) -> KeyCheck:
+        """Build the daemon's key and the engine's key for this case; compare."""
+        build = self.key_builder or dense_key
+        daemon = build(digest, BASE_SETTINGS)
+        engine = build(digest, self.settings)
+        note = ""
+        if self.key_builder is moe_key:
+            note = ("keys built as for a MoE model with expert parallelism; a dense model "
+                    "keys DP as (1, 0) because every DP replica holds the full weights")
+        return KeyCheck(self.expected_fields, tuple(daemon.mismatched_fields(engine)), note)
+
+
+def dense_key(digest: str, s: EngineSettings, rank: int = 0) -> WeightCacheKey:
+    """Rank 0's key for a dense model: DP does not change its tensors."""
+    return WeightCacheKey(content_digest=digest, dtype=s.dtype, tp_size=s.tensor_parallel_size, tp_rank=rank)
+
+
+def moe_key(digest: str, s: EngineSettings, rank: int = 0) -> WeightCacheKey:
+    """Rank 0's key for a MoE model with expert parallelism: DP shards the experts."""
+    return WeightCacheKey(
+        content_digest=digest,
+        dtype=s.dtype,
+        tp_size=s.tensor_parallel_size,
+        tp_rank=rank,
+        dp_size=s.data_parallel_size,
+        enable_expert_parallel=True,
+    )
+
+
+def _from_recipe(row: Mutation) -> GateCase:
+    return GateCase(
+        name=row.name,
+        description=row.description,
+        recipe=row,
+        weights_equal=row.weights_equal,
+        expected_fields=() if row.weights_equal else ("content_digest",),
+    )
+
+
+SETTING_CASES: tuple[GateCase, ...] = (
+    GateCase(
+        "dtype_change", "the base's bytes served as float32 (the daemon holds bfloat16)",
+        recipe=None, weights_equal=True, settings=EngineSettings(dtype="float32"),
+        expected_fields=("dtype",),
+    ),
+    GateCase(
+        "tp_shift", "the base's bytes at tensor-parallel size 2 (the daemon holds TP=1)",
+        recipe=None, weights_equal=True, settings=EngineSettings(tensor_parallel_size=2),
+        expected_fields=("tp_size",),
+        cpu_skip=(
+            "TP=2 on CPU needs both cores bound (VLLM_CPU_OMP_THREADS_BIND=0|1) for two "
+            "auto and two cached ranks; on a shared 2-core runner that doubles the self-test "
+            "time for a check the key already decides; run with --run-tp to include it"
+        ),
+    ),
+    GateCase(
+        "dp_shift", "the base's bytes at data-parallel size 2 (the daemon holds DP=1)",
+        recipe=None, weights_equal=True, settings=EngineSettings(data_parallel_size=2),
+        expected_fields=("dp_size",), key_builder=moe_key,
+        cpu_skip="vLLM's CPU build has no data-parallel engine (DP needs a GPU per replica)",
+    ),
+)
+
+CASES: tuple[GateCase, ...] = tuple(_from_recipe(r) for r in MUTATIONS) + SETTING_CASES
+
+
+def select_cases(spec: str) -> list[GateCase]:
+    """``all`` or a comma-separated list of case names, in catalogue order."""
+    if spec.strip() in ("", "all"):
+        return list(CASES)
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    known = {c.name: c for c in CASES}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise CaseSelectionError(
+            f"unknown mutation {', '.join(unknown)}; known: {', '.join(known)}"
+        )
+    return [c for c in CASES if c.name in names]

@@ -1,0 +1,56 @@
+"""report.md: the summary table a person reads in a terminal or a PR."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.report.rows import SCHEMES, summary_rows
+
+_MARK = {"PASS": "PASS", "BLOCK": "**BLOCK**", "NOT_RUN": "not run"}
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    c = report["counts"]
+    lines = [
+        f"# preload-gate {report['mode']}: {report['verdict']} (exit {report['exit_code']})",
+        "",
+        f"- target: `{report['target']}`; candidate: `{report['candidate']}`; base: `{report['base']}`",
+        f"- vLLM {report.get('vllm_version') or 'unknown'}; logprob tolerance {report['logprob_tolerance']:g} nats;"
+        f" {report['seconds']:.0f} s",
+        f"- cases: {c['PASS']} passed, {c['BLOCK']} blocked, {c['NOT_RUN']} not run"
+        " (not run is never counted as passed)",
+    ]
+    controls = {k: v for k, v in report["controls"].items() if v}
+    if controls:
+        lines.append(f"- controls (unsafe on purpose): {controls}")
+    if report.get("error"):
+        lines.append(f"- error: {report['error']}")
+    golden = report.get("golden") or {}
+    if golden:
+        lines.append(f"- golden canary file: {golden.get('path') or golden.get('note')}")
+    lines += [
+        "",
+        "| case | expected | load | verdict | reasons | tokens vs auto | detail |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in summary_rows(report):
+        lines.append(
+            f"| {r['name']} | {r['expect']} | {r['outcome']} | {_MARK[r['status']]} | "
+            f"{r['reasons']} | {r['tokens']} | {_cell(r['detail'])} |"
+        )
+    fp_cases = [x for x in report["cases"] if x.get("fingerprints")]
+    if fp_cases:
+        lines += ["", "## Fingerprint matrix (base vs candidate: = same key, x different key)", "",
+                  "| case | weights equal | " + " | ".join(SCHEMES) + " |",
+                  "|---|---|" + "---|" * len(SCHEMES)]
+        for x in fp_cases:
+            cells = []
+            for s in SCHEMES:
+                e = x["fingerprints"].get(s, {}).get("equal")
+                cells.append("?" if e is None else ("=" if e else "x"))
+            lines.append(f"| {x['name']} | {'yes' if x['weights_equal'] else 'no'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,211 @@
+"""Gate verdicts: PASS, or BLOCK with the reasons a person acts on.
+
+One case compares a cached engine on the candidate (a daemon holds the
+base) with an ``auto`` engine on the candidate. The reasons, as DESIGN
+lists them:
+
+- ``output_mismatch``: greedy token ids differ.
+- ``logprob_drift``: tokens agree, the chosen tokens' logprobs differ by
+  more than the stated tolerance.
+- ``wrong_hit``: a ``hit`` on content other than the candidate's, judged
+  against a digest the gate computed itself (never the loader's word): the
+  event's digest or daemon digest differs from the independent hash of the
+  candidate, or the daemon holds other content than the candidate; also a
+  hit where the case requires a miss (settings changed).
+- ``silent_fallback``: the engine served without any recorded load event
+  (it loaded from somewhere without saying so), or it served after a miss
+  where a hit was required.
+- ``unexpected_miss``: a miss where a hit was required.
+- ``error``: an engine failed, or its events break the contract (not one
+  per rank, unknown outcome).
+
+``NOT_RUN`` is not a pass: a case the platform cannot run says so and why.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from harness.engine import EngineResult
+
+PASS, BLOCK, NOT_RUN = "PASS", "BLOCK", "NOT_RUN"
+REASONS = (
+    "output_mismatch",
+    "logprob_drift",
+    "wrong_hit",
+    "silent_fallback",
+    "unexpected_miss",
+    "error",
+)
+# Max |logprob(cached) - logprob(auto)| of a chosen token, in nats. Same
+# weights on the same kernels give bitwise equal logits; the slack only
+# absorbs a reduction order that differs between two engine starts.
+LOGPROB_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What the cached engine must do in one case."""
+
+    outcome: str  # "hit" (required) or "miss" (a loud miss, then a disk load)
+    candidate_digest: str  # independent content hash of the candidate
+    daemon_digest: str  # independent content hash of what the daemon was started on
+    ranks: int = 1
+    expected_fields: tuple[str, ...] = ()
+
+
+@dataclass
+class Verdict:
+    status: str
+    reasons: list[str] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)
+    outcome: str | None = None  # the load outcome the events recorded
+    first_difference: dict[str, Any] | None = None
+    max_logprob_diff: float | None = None
+
+    @property
+    def blocked(self) -> bool:
+        return self.status == BLOCK
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def _block(self, reason: str, detail: str) -> None:
+        self.status = BLOCK
+        if reason not in self.reasons:
+            self.reasons.append(reason)
+        self.details.append(f"{reason}: {detail}")
+
+
+def first_difference(
+    a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]
+) -> dict[str, Any] | None:
+    """The first (prompt, position) where two greedy runs differ, or None.
+
+    A missing prompt or a shorter run differs at its end (token None).
+    """
+    for p in range(max(len(a), len(b))):
+        ta = list(a[p]) if p < len(a) else []
+        tb = list(b[p]) if p < len(b) else []
+        for i in range(max(len(ta), len(tb))):
+            x = ta[i] if i < len(ta) else None
+            y = tb[i] if i < len(tb) else None
+            if x != y:
+                return {"prompt": p, "position": i, "reference": x, "candidate": y}
+    return None
+
+
+def max_logprob_diff(reference: EngineResult, candidate: EngineResult) -> float:
+    """Largest chosen-token logprob difference where both runs chose the same token."""
+    worst = 0.0
+    for p, (ref_ids, cand_ids) in enumerate(zip(reference.token_ids, candidate.token_ids, strict=False)):
+        ref_lp = reference.logprobs[p] if p < len(reference.logprobs) else []
+        cand_lp = candidate.logprobs[p] if p < len(candidate.logprobs) else []
+        for i, (x, y) in enumerate(zip(ref_ids, cand_ids, strict=False)):
+            if x != y or i >= len(ref_lp) or i >= len(cand_lp):
+                break
+            lx, ly = ref_lp[i].get(str(x)), cand_lp[i].get(str(y))
+            if lx is None or ly is None:
+                continue
+            if math.isnan(lx) or math.isnan(ly):
+                return math.inf
+            worst = max(worst, abs(lx - ly))
+    return worst
+
+
+def _check_events(v: Verdict, exp: Expectation, cand: EngineResult) -> None:
+    events = cand.events
+    outcomes = [e.get("outcome") for e in events]
+    bad = [o for o in outcomes if o not in ("hit", "miss", "error")]
+    if bad:
+        v._block("error", f"load events with unknown outcome {bad}")
+    ranks = sorted(e.get("rank", 0) for e in events)
+    if events and ranks != list(range(exp.ranks)):
+        v._block("error", f"expected one load event per rank 0..{exp.ranks - 1}, got ranks {ranks}")
+    if "hit" in outcomes:
+        v.outcome = "hit"
+    elif "miss" in outcomes:
+        v.outcome = "miss"
+    elif "error" in outcomes:
+        v.outcome = "error"
+
+    for e in events:
+        if e.get("outcome") != "hit":
+            continue
+        claimed = {k: e.get(k) for k in ("digest", "daemon_digest")}
+        wrong = {k: d for k, d in claimed.items() if d != exp.candidate_digest}
+        if wrong:
+            v._block(
+                "wrong_hit",
+                f"rank {e.get('rank', 0)} hit on "
+                + ", ".join(f"{k}={str(d)[:16]}" for k, d in wrong.items())
+                + f" but the candidate's content digest is {exp.candidate_digest[:16]}",
+            )
+        if exp.daemon_digest != exp.candidate_digest:
+            v._block(
+                "wrong_hit",
+                f"rank {e.get('rank', 0)} hit while the daemon holds content "
+                f"{exp.daemon_digest[:16]}, not the candidate's {exp.candidate_digest[:16]}",
+            )
+        elif exp.outcome == "miss":
+            v._block(
+                "wrong_hit",
+                f"rank {e.get('rank', 0)} hit where a loud miss was required "
+                f"(settings differ on {', '.join(exp.expected_fields) or 'the key'})",
+            )
+
+    if exp.outcome == "hit" and v.outcome in ("miss", "error"):
+        reason = "; ".join(str(e.get("reason")) for e in events if e.get("outcome") != "hit")
+        v._block("unexpected_miss", f"a hit was required, the load recorded: {reason}")
+        if cand.ok:
+            v._block("silent_fallback", "the engine served from disk where a hit was required")
+    if exp.outcome == "miss" and v.outcome == "miss" and exp.expected_fields:
+        named = {f for e in events for f in (e.get("fields") or [])}
+        if named and not named & set(exp.expected_fields):
+            v.details.append(
+                f"note: the miss names {sorted(named)}, the case changed {list(exp.expected_fields)}"
+            )
+
+
+def judge(
+    exp: Expectation,
+    reference: EngineResult,
+    candidate: EngineResult,
+    tolerance: float = LOGPROB_TOLERANCE,
+) -> Verdict:
+    """Judge one case. Every applicable reason is listed, not only the first."""
+    v = Verdict(status=PASS)
+    if not reference.ok:
+        v._block("error", f"the auto reference engine failed: {reference.error}")
+    _check_events(v, exp, candidate)
+    if not candidate.ok:
+        # A required hit that missed and refused to start (fallback off) is
+        # already unexpected_miss; any other failure is an error.
+        if not (exp.outcome == "hit" and v.outcome == "miss"):
+            what = "with no load event" if not candidate.events else f"after a {v.outcome}"
+            v._block("error", f"the cached engine failed {what}: {candidate.error}")
+        return v
+    if not candidate.events:
+        v._block(
+            "silent_fallback",
+            "the cached engine served without recording any load event "
+            "(loaded from disk without a miss)",
+        )
+    if not reference.ok:
+        return v
+    diff = first_difference(reference.token_ids, candidate.token_ids)
+    if diff is not None:
+        v.first_difference = diff
+        v._block(
+            "output_mismatch",
+            f"prompt {diff['prompt']} position {diff['position']}: "
+            f"auto {diff['reference']} vs cached {diff['candidate']}",
+        )
+    drift = max_logprob_diff(reference, candidate)
+    v.max_logprob_diff = drift
+    if drift > tolerance:
+        v._block("logprob_drift", f"chosen-token logprob differs by {drift:.3g} > {tolerance:g}")
+    return v

@@ -1,0 +1,58 @@
+"""The Triton kernel behind ``preload.checksum`` (see its docstring for the math).
+
+Kept in its own module, at module level and without
+``from __future__ import annotations``: Triton resolves names through the
+kernel function's globals and reads ``tl.constexpr`` annotations as
+objects, so a kernel nested in a function or with string annotations is
+fragile across Triton releases. Importing this module fails where Triton is
+missing; ``preload.checksum`` then uses its torch path.
+
+One program covers ``ITERS`` consecutive 4096-word blocks of one tensor:
+it loads the weight tables once (the table index is the lane index, since
+blocks start at multiples of 4096 words), keeps the three lanes in
+per-thread 32-bit accumulators, reduces once, and adds the result into
+``out[segment]`` with 32-bit atomics (wrap-around addition is exactly the
+mod 2**32 sum). Full blocks take an unmasked path; only a tensor's last
+block masks the words past its end and the bytes past its end within the
+last word.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def wsum(words, seg_of_prog, seg_prog0, seg_word0, seg_nbytes, ta, tb, tc, out,
+         BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    pid = tl.program_id(0)
+    seg = tl.load(seg_of_prog + pid)
+    prog = (pid - tl.load(seg_prog0 + seg)).to(tl.int64)  # program index within the tensor
+    word0 = tl.load(seg_word0 + seg)
+    nbytes = tl.load(seg_nbytes + seg)
+    j = tl.arange(0, BLOCK)
+    wa = tl.load(ta + j).to(tl.uint32, bitcast=True)
+    wc = tl.load(tc + j).to(tl.uint32, bitcast=True)
+    # KB = 0x9E3779B1 as an int32 bit pattern: a literal above 2**31 would promote to int64.
+    kb = tl.full((), -1640531535, tl.int32).to(tl.uint32, bitcast=True)
+    acc_a = tl.zeros([BLOCK], dtype=tl.uint32)
+    acc_b = tl.zeros([BLOCK], dtype=tl.uint32)
+    acc_c = tl.zeros([BLOCK], dtype=tl.uint32)
+    for it in tl.static_range(ITERS):
+        blk = prog * ITERS + it  # 4096-word block index within the tensor
+        left = nbytes - blk * (BLOCK * 4)  # bytes of the tensor from this block on
+        ptr = words + (word0 + blk * BLOCK)
+        if left >= BLOCK * 4:
+            x = tl.load(ptr + j).to(tl.uint32, bitcast=True)
+        else:
+            valid = tl.maximum(left, 0).to(tl.int32) - j * 4
+            x = tl.load(ptr + j, mask=valid > 0, other=0).to(tl.uint32, bitcast=True)
+            shift = (tl.minimum(tl.maximum(valid, 0), 3) * 8).to(tl.uint32)
+            x = tl.where(valid >= 4, x, x & ((tl.full([BLOCK], 1, tl.uint32) << shift) - 1))
+        wb = tl.load(tb + (blk & 4095)).to(tl.uint32, bitcast=True)
+        wb = (wb + (blk >> 12).to(tl.uint32) * kb) | 1
+        acc_a += x * wa
+        acc_b += x * wb
+        acc_c += ((x << 16) | (x >> 16)) * wc
+    tl.atomic_add(out + seg * 3 + 0, tl.sum(acc_a, axis=0).to(tl.int32, bitcast=True))
+    tl.atomic_add(out + seg * 3 + 1, tl.sum(acc_b, axis=0).to(tl.int32, bitcast=True))
+    tl.atomic_add(out + seg * 3 + 2, tl.sum(acc_c, axis=0).to(tl.int32, bitcast=True))

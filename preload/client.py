@@ -1,0 +1,196 @@
+"""The engine's side of the wire: connect, hello, get_state, attach, watch.
+
+Used by the vLLM loader and by any other consumer (a transformers model
+built on the meta device). It trusts a daemon only after the socket checks
+in :mod:`preload.sockets`, speaks only JSON frames, and hands the
+descriptor to whichever transport the daemon names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from preload import protocol
+from preload.errors import CacheKeyMismatchError, ProtocolError, WeightCacheUnavailableError
+from preload.identity.key import WeightCacheKey
+from preload.sockets import socket_path, verify_socket
+from preload.transports import get_transport
+from preload.transports.base import Attachment, Layout
+
+log = logging.getLogger("preload.client")
+
+
+@dataclass
+class State:
+    """A daemon's answer to get_state: where the tensors are and whose they are."""
+
+    layout: Layout
+    aliases: dict[str, str]
+    descriptor: dict[str, Any]
+    fds: list[int]
+    digest: str
+    daemon_id: str
+    stage: str
+    key: WeightCacheKey
+    # Resident checksums (preload.checksum), sent for arenas engines can write into.
+    checksums: dict[str, str] = field(default_factory=dict)
+
+    def attach(self) -> Attachment:
+        """Map the tensors (takes ownership of ``fds``)."""
+        fds, self.fds = self.fds, []
+        return get_transport(str(self.descriptor.get("kind"))).attach(self.descriptor, fds, self.layout)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+@dataclass
+class DaemonClient:
+    """One connection to one rank's daemon.
+
+    >>> c = DaemonClient.connect(socket_dir("ab" * 32), 0)  # doctest: +SKIP
+    >>> state = c.get_state(key); tensors = state.attach().tensors  # doctest: +SKIP
+    """
+
+    sock: socket.socket
+    path: Path
+    deadline_s: float = protocol.DEFAULT_DEADLINE_S
+    hello: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def connect(
+        cls,
+        directory: str | os.PathLike[str],
+        global_rank: int,
+        timeout_s: float = 5.0,
+        deadline_s: float = 300.0,
+        client: str = "preload-gate",
+    ) -> DaemonClient:
+        path = socket_path(directory, global_rank)
+        verify_socket(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(str(path))
+        except OSError as exc:
+            sock.close()
+            raise WeightCacheUnavailableError(f"no daemon answers at {path}: {exc.strerror or exc}") from exc
+        c = cls(sock, path, deadline_s)
+        try:
+            c.hello = c.request(protocol.hello_request(client, os.getpid()))
+            protocol.check_version(c.hello.get("protocol"))
+        except BaseException:
+            c.close()
+            raise
+        return c
+
+    def request(self, body: dict[str, Any]) -> dict[str, Any]:
+        frame = self._exchange(body)
+        for fd in frame.fds:
+            os.close(fd)
+        return protocol.check_reply(frame.body, str(body["cmd"]))
+
+    def _exchange(self, body: dict[str, Any]) -> protocol.Frame:
+        try:
+            protocol.send_frame(self.sock, body, (), self.deadline_s)
+            frame = protocol.recv_frame(self.sock, self.deadline_s, idle_s=self.deadline_s)
+        except OSError as exc:
+            raise WeightCacheUnavailableError(f"daemon at {self.path} dropped the connection: {exc}") from exc
+        if frame is None:
+            raise WeightCacheUnavailableError(f"daemon at {self.path} closed the connection")
+        return frame
+
+    def get_state(self, key: WeightCacheKey) -> State:
+        """The daemon's tensors for ``key``; CacheKeyMismatchError names the
+        differing fields when it holds another key."""
+        frame = self._exchange({"cmd": "get_state", "key": key.to_json()})
+        try:
+            body = protocol.check_reply(frame.body, "get_state")
+            if body["status"] == "mismatch":
+                err = CacheKeyMismatchError(body["fields"], f"daemon {self.path} holds another key")
+                err.daemon_key = body.get("key")  # type: ignore[attr-defined]
+                err.daemon_digest = body.get("digest")  # type: ignore[attr-defined]
+                raise err
+            try:
+                layout = Layout.from_json(body["entries"], int(body["total_bytes"]))
+                daemon_key = WeightCacheKey.from_json(body["key"])
+                aliases = {str(k): str(v) for k, v in dict(body.get("aliases") or {}).items()}
+                descriptor = dict(body["descriptor"])
+                state = State(layout, aliases, descriptor, frame.fds, str(body["digest"]),
+                              str(body["daemon_id"]), str(body["stage"]), daemon_key,
+                              {str(k): str(v) for k, v in dict(body.get("checksums") or {}).items()})
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ProtocolError(f"get_state reply is malformed: {exc}") from exc
+        except BaseException:
+            for fd in frame.fds:
+                os.close(fd)
+            raise
+        # Trust, but verify: the daemon must have matched on every field.
+        wrong = key.mismatched_fields(state.key)
+        if wrong:
+            state.close()
+            raise ProtocolError(f"daemon answered ok for a different key (fields: {', '.join(wrong)})")
+        return state
+
+    def get_memory(self) -> int:
+        return int(self.request({"cmd": "get_memory"})["bytes"])
+
+    def stats(self) -> dict[str, Any]:
+        return self.request({"cmd": "stats"})
+
+    def release(self) -> None:
+        self.request({"cmd": "release"})
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Watch:
+    """A held-open ``watch`` connection; ``on_loss`` runs once if it closes
+    while we still want it (the daemon died or stopped)."""
+
+    def __init__(self, client: DaemonClient, on_loss: Callable[[], None]) -> None:
+        self._client = client
+        self._on_loss = on_loss
+        self._closing = False
+        self.lost = threading.Event()
+        client.request({"cmd": "watch"})
+        client.sock.settimeout(None)
+        self._thread = threading.Thread(target=self._run, name="preload-watch", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike[str], global_rank: int, on_loss: Callable[[], None]) -> Watch:
+        return cls(DaemonClient.connect(directory, global_rank, client="preload-gate-watch"), on_loss)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                data = self._client.sock.recv(4096)
+                if not data:
+                    break
+        except OSError:
+            pass
+        if not self._closing:
+            self.lost.set()
+            try:
+                self._on_loss()
+            except Exception:  # a callback bug must not kill the engine's thread silently
+                log.exception("daemon-loss callback failed")
+
+    def close(self) -> None:
+        self._closing = True
+        try:
+            self._client.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._client.close()

@@ -1,0 +1,134 @@
+"""Verbs ``preload`` (start the daemons) and ``status`` (ask running ones)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from preload.errors import PreloadGateError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "preload",
+        help="hold a checkpoint's weights in one daemon per local rank",
+        description="Start one daemon per local rank. Prints one JSON 'ready' line when every rank "
+        "serves and runs until SIGTERM/SIGINT.",
+    )
+    p.add_argument("checkpoint")
+    eng = p.add_argument_group("engine arguments (as vLLM takes them)")
+    eng.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    eng.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    eng.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    eng.add_argument("--data-parallel-size-local", type=int, default=None)
+    eng.add_argument("--data-parallel-start-rank", type=int, default=0)
+    eng.add_argument("--nnodes", type=int, default=1)
+    eng.add_argument("--node-rank", type=int, default=0)
+    eng.add_argument("--dtype", default="auto")
+    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument("--quantization", default=None)
+    eng.add_argument("--kv-cache-dtype", default="auto")
+    eng.add_argument("--enable-expert-parallel", action="store_true")
+    eng.add_argument("--master-port", type=int, default=None, help="gloo/nccl rendezvous port of the daemon group")
+    p.add_argument("--socket-root", default=None)
+    p.add_argument("--stage", choices=("raw", "loaded", "processed"), default=None,
+                   help="raw: checkpoint tensors (no vLLM); loaded: vLLM params before processing "
+                   "(CPU default); processed: after processing (CUDA)")
+    p.add_argument("--transport", choices=("shm", "cuda"), default="shm")
+    p.add_argument("--identity", choices=("stat", "pinned", "full"), default="stat",
+                   help="where the digest to prove comes from: the manifest (stat), --expect-digest "
+                   "(pinned), or none: serve what the bytes hash to (full)")
+    p.add_argument("--expect-digest", default=None, help="refuse to serve unless the bytes hash to this")
+    p.add_argument("--health-port", type=int, default=None, help="serve /health and /metrics (off by default)")
+    p.add_argument("--health-host", default="127.0.0.1")
+    p.add_argument("--unsafe-identity", choices=("header_only",), default=None,
+                   help="UNSAFE negative control for the gate: key by vLLM's header-only hash and skip "
+                   "the byte proof")
+    p.add_argument("--dry-run", action="store_true", help="print the placement plan; load nothing")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
+    p.set_defaults(func=_preload)
+
+    s = sub.add_parser("status", help="list running preload daemons, their digests and counters")
+    s.add_argument("--socket-root", default=None)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_status)
+
+
+def _options(args: argparse.Namespace) -> Any:
+    from preload.daemon.launcher import PreloadOptions
+    from preload.daemon.placement import Parallelism
+
+    stage = args.stage or ("processed" if args.transport == "cuda" else "loaded")
+    engine = {"dtype": args.dtype, "max_model_len": args.max_model_len, "quantization": args.quantization,
+              "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel}
+    return PreloadOptions(
+        checkpoint=args.checkpoint,
+        parallel=Parallelism(
+            tp_size=args.tensor_parallel_size, pp_size=args.pipeline_parallel_size,
+            dp_size=args.data_parallel_size, dp_size_local=args.data_parallel_size_local,
+            dp_start_rank=args.data_parallel_start_rank, nnodes=args.nnodes, node_rank=args.node_rank,
+        ),
+        stage=stage, transport=args.transport, identity=args.identity, socket_root=args.socket_root,
+        expect_digest=args.expect_digest, unsafe_identity=args.unsafe_identity, engine=engine,
+        health_port=args.health_port, health_host=args.health_host, master_port=args.master_port,
+    )
+
+
+def _preload(args: argparse.Namespace) -> int:
+    from preload.daemon import launcher
+
+    if not Path(args.checkpoint).is_dir():
+        raise PreloadGateError(f"checkpoint directory {args.checkpoint} does not exist")
+    opts = _options(args)
+    if args.dry_run:
+        plan = launcher.plan(opts)
+        if args.json:
+            print(json.dumps(plan))
+        else:
+            print(f"checkpoint {plan['checkpoint']}  stage {plan['stage']}  transport {plan['transport']}")
+            print(f"digest     {plan['expected_digest'] or '(from the bytes read)'}  ({plan['digest_source']})")
+            for r in plan["ranks"]:
+                print(f"  local {r['local_rank']}: global {r['global_rank']} "
+                      f"(dp {r['dp_rank']}, pp {r['pp_rank']}, tp {r['tp_rank']})")
+        return 0
+    return launcher.run(opts)
+
+
+def scan(root: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
+    """Every answering rank under the socket root (dirs ``<digest[:16]>``)."""
+    from preload.daemon.health import rank_stats
+    from preload.sockets import default_socket_root
+
+    base = Path(root or default_socket_root())
+    found: list[dict[str, Any]] = []
+    if not base.is_dir():
+        return found
+    for d in sorted(base.iterdir()):
+        if d.is_symlink() or not d.is_dir():
+            continue
+        for sock in sorted(d.glob("rank*.sock")):
+            s = rank_stats(sock)
+            found.append({"socket": str(sock), "serving": s is not None, **(s or {})})
+    return found
+
+
+def _status(args: argparse.Namespace) -> int:
+    ranks = scan(args.socket_root)
+    if args.json:
+        print(json.dumps({"ranks": ranks}, indent=2))
+        return 0
+    if not ranks:
+        print("no preload daemons found")
+        return 0
+    for r in ranks:
+        if not r["serving"]:
+            print(f"{r['socket']}: not answering (stale socket)")
+            continue
+        misses = sum(r["misses"].values())
+        print(f"{r['digest'][:16]} rank {r['rank']} pid {r['pid']} {r['stage']}/{r['transport']} "
+              f"{r['resident_bytes']} bytes, {r['attached']} attached, {r['hits']} hits, {misses} misses  "
+              f"{r['checkpoint']}")
+    return 0

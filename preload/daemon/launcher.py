@@ -1,0 +1,224 @@
+"""``preload-gate preload``: start one daemon process per local rank.
+
+Ranks run in their own processes (their own core binding, their own gloo
+rank for TP), each started with a JSON config on stdin. The launcher waits
+until every rank reports ``rank_ready``, then prints ONE line on stdout::
+
+    {"event": "ready", "digest": ..., "socket_dir": ..., "ranks": [...], "pid": ...}
+
+and stays up until SIGTERM/SIGINT, when it stops every rank (sockets
+removed, locks released). If any rank fails, the others are stopped and the
+first rank's error is raised.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from preload.daemon.placement import Parallelism, Placement, plan_local_ranks
+from preload.daemon.rank import RankConfig
+from preload.errors import ManifestError, PreloadGateError
+from preload.identity.manifest import load_manifest
+from preload.sockets import socket_dir
+
+log = logging.getLogger("preload.daemon")
+
+READY_TIMEOUT_S = 900.0
+
+
+class RankFailedError(PreloadGateError):
+    """A rank process failed before it served."""
+
+
+@dataclass
+class PreloadOptions:
+    checkpoint: str
+    parallel: Parallelism = field(default_factory=Parallelism)
+    stage: str = "raw"
+    transport: str = "shm"
+    identity: str = "stat"
+    socket_root: str | None = None
+    expect_digest: str | None = None
+    unsafe_identity: str | None = None
+    engine: dict[str, Any] = field(default_factory=dict)
+    health_port: int | None = None
+    health_host: str = "127.0.0.1"
+    master_port: int | None = None
+
+
+def expected_digest(opts: PreloadOptions) -> tuple[str | None, str]:
+    """What the daemon is asked to serve, and where that came from."""
+    if opts.expect_digest:
+        d = opts.expect_digest.lower()
+        if len(d) != 64 or any(c not in "0123456789abcdef" for c in d):
+            raise ManifestError(f"--expect-digest must be 64 hex characters, got {opts.expect_digest!r}")
+        return d, "--expect-digest"
+    if opts.identity == "pinned":
+        raise ManifestError("--identity pinned needs --expect-digest (the digest printed by promote)")
+    if opts.identity == "stat":
+        manifest = load_manifest(opts.checkpoint)
+        if manifest is not None:
+            return manifest.digest, "manifest"
+    return None, "none"
+
+
+def plan(opts: PreloadOptions) -> dict[str, Any]:
+    placements = plan_local_ranks(opts.parallel)
+    digest, source = expected_digest(opts)
+    return {
+        "checkpoint": os.path.realpath(opts.checkpoint),
+        "stage": opts.stage, "transport": opts.transport,
+        "expected_digest": digest, "digest_source": source,
+        "socket_dir": str(socket_dir(digest, opts.socket_root)) if digest else None,
+        "world_size": opts.parallel.world_size,
+        "ranks": [p.to_json() for p in placements],
+    }
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu_slices(n: int) -> list[list[int] | None]:
+    """Split this process's CPUs into ``n`` disjoint slices (None when too few)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if n <= 1 or len(cpus) < n:
+        return [None] * n
+    per = len(cpus) // n
+    return [cpus[i * per : (i + 1) * per] for i in range(n)]
+
+
+class Launcher:
+    def __init__(self, opts: PreloadOptions) -> None:
+        self.opts = opts
+        self.procs: list[tuple[Placement, subprocess.Popen[str]]] = []
+        self.events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
+
+    def start(self) -> dict[str, Any]:
+        """Start every rank and wait for all of them; returns the ready event."""
+        opts = self.opts
+        placements = plan_local_ranks(opts.parallel)
+        digest, _source = expected_digest(opts)
+        port = opts.master_port or _free_port()
+        slices = _cpu_slices(len(placements)) if opts.stage != "raw" else [None] * len(placements)
+        engine = {
+            **opts.engine, "tp_size": opts.parallel.tp_size, "pp_size": opts.parallel.pp_size,
+            "dp_size": opts.parallel.dp_size,
+        }
+        for p, cpus in zip(placements, slices, strict=True):
+            cfg = RankConfig(
+                checkpoint=opts.checkpoint, global_rank=p.global_rank, local_rank=p.local_rank,
+                tp_rank=p.tp_rank, pp_rank=p.pp_rank, dp_rank=p.dp_rank, stage=opts.stage,
+                transport=opts.transport, socket_root=opts.socket_root, expected_digest=digest,
+                unsafe_identity=opts.unsafe_identity, engine=engine,
+                distributed_init_method=f"tcp://127.0.0.1:{port}", cpus=cpus,
+            )
+            env = dict(os.environ)
+            if cpus:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "preload.daemon.rank"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, text=True, env=env,
+            )
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(cfg.to_json()) + "\n")
+            proc.stdin.close()
+            self.procs.append((p, proc))
+            threading.Thread(target=self._pump, args=(p.global_rank, proc), daemon=True).start()
+        ready: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        try:
+            while len(ready) < len(self.procs):
+                try:
+                    rank, event = self.events.get(timeout=max(0.1, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise RankFailedError(f"ranks not ready after {READY_TIMEOUT_S:g} s") from None
+                if event is None:
+                    code = dict((p.global_rank, pr) for p, pr in self.procs)[rank].wait()
+                    raise RankFailedError(f"rank {rank} exited with code {code} before serving (its log is above)")
+                if event.get("event") == "rank_error":
+                    raise RankFailedError(f"rank {rank}: {event.get('error')}")
+                if event.get("event") == "rank_ready":
+                    ready[rank] = event
+        except BaseException:
+            self.stop()
+            raise
+        ranks = [ready[p.global_rank] for p, _ in self.procs]
+        digests = {r["digest"] for r in ranks}
+        if len(digests) != 1:
+            self.stop()
+            raise RankFailedError(f"ranks serve different digests: {sorted(digests)}")
+        return {
+            "event": "ready", "digest": ranks[0]["digest"], "socket_dir": ranks[0]["socket_dir"],
+            "ranks": ranks, "pid": os.getpid(), "stage": opts.stage, "transport": opts.transport,
+        }
+
+    def _pump(self, rank: int, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                self.events.put((rank, json.loads(line)))
+            except ValueError:
+                print(line, file=sys.stderr)
+        self.events.put((rank, None))
+
+    def alive(self) -> bool:
+        return all(proc.poll() is None for _, proc in self.procs)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        end = time.monotonic() + timeout_s
+        for _, proc in self.procs:
+            try:
+                proc.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def run(opts: PreloadOptions, out: Any = None) -> int:
+    """Start, announce, serve until SIGTERM/SIGINT; the ``preload`` verb."""
+    out = out or sys.stdout
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    launcher = Launcher(opts)
+    health = None
+    try:
+        ready = launcher.start()
+        if opts.health_port is not None:
+            from preload.daemon.health import HealthServer
+
+            health = HealthServer(opts.health_host, opts.health_port, [r["socket"] for r in ready["ranks"]])
+            health.start()
+            ready["health"] = f"http://{opts.health_host}:{health.port}"
+        out.write(json.dumps(ready) + "\n")
+        out.flush()
+        while not stop.wait(0.5):
+            if not launcher.alive():
+                log.error("a rank process died; stopping the others")
+                return 1
+        return 0
+    finally:
+        if health is not None:
+            health.stop()
+        launcher.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,241 @@
+"""The ``loaded`` and ``processed`` stages: vLLM's own model, our byte proof.
+
+The model is built with vLLM's machinery exactly as an engine rank builds it
+(EngineArgs -> VllmConfig, a gloo/nccl world for TP/PP, the loader's
+``create_model``, the model's ``load_weights`` with vLLM's strict
+loaded-weights check), so the tensors held are laid out as the engine's.
+The weights come from our iterator, which reads each shard once and hashes
+every byte in the same pass.
+
+``loaded`` (the CPU default) exports parameters and buffers BEFORE
+``process_weights_after_loading``: on CPU processing packs weights into
+opaque kernel handles, so the engine runs processing itself after attaching.
+Each parameter's storage is swapped for its arena view before loading, so
+``load_weights`` writes straight into the arena and weights are never held
+twice. ``processed`` exports after processing (as vLLM does on CUDA),
+copying tensor by tensor and freeing each original as it goes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from preload.checksum import resident_checksums
+from preload.daemon.proof import ProvenShard, check_digest
+from preload.daemon.stage import Filled
+from preload.errors import CheckpointError, PreloadGateError
+from preload.identity.manifest import Manifest
+from preload.identity.shards import shard_paths
+from preload.transports.base import Layout, Transport
+
+if TYPE_CHECKING:
+    from preload.daemon.rank import RankConfig
+
+log = logging.getLogger("preload.daemon")
+
+
+class ProvenWeights:
+    """``(name, tensor)`` for every tensor of every shard, each shard read
+    once in file order and hashed in that pass; ``drain()`` reads whatever a
+    model's ``load_weights`` did not consume, so every byte is proven."""
+
+    def __init__(self, checkpoint: str) -> None:
+        self.paths = shard_paths(checkpoint)
+        self.digests: dict[str, str] = {}
+        self.bytes_read = 0
+        self._it = self._iterate()
+
+    def _iterate(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for path in self.paths:
+            shard = ProvenShard(path)
+            try:
+                for info in shard.tensors:
+                    yield info.name, shard.read_tensor(info)
+                self.digests[shard.name] = shard.finish()
+                self.bytes_read += shard.size
+            finally:
+                shard.close()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._it
+
+    def drain(self) -> dict[str, str]:
+        for _ in self._it:
+            pass
+        return self.digests
+
+
+def _canonical_tensors(model: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor, str]], dict[str, str]]:
+    """Every parameter and buffer once (``remove_duplicate=False``), plus the
+    alias map of tied names to the canonical name of the same tensor."""
+    out: list[tuple[str, torch.Tensor, str]] = []
+    aliases: dict[str, str] = {}
+    by_id: dict[int, str] = {}
+    for kind, items in (("param", model.named_parameters(remove_duplicate=False)),
+                        ("buffer", model.named_buffers(remove_duplicate=False))):
+        for name, t in items:
+            if id(t) in by_id:
+                if by_id[id(t)] != name:
+                    aliases[name] = by_id[id(t)]
+                continue
+            by_id[id(t)] = name
+            if not t.is_contiguous():
+                raise PreloadGateError(f"tensor {name} is not contiguous; it cannot be placed in an arena")
+            out.append((name, t, kind))
+    return out, aliases
+
+
+def _plan(tensors: list[tuple[str, torch.Tensor, str]]) -> Layout:
+    return Layout.plan([(n, t.dtype, tuple(t.shape), kind) for n, t, kind in tensors])
+
+
+def build_vllm_config(cfg: RankConfig) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    eng = cfg.engine
+    if int(eng.get("dp_size", 1)) > 1 and eng.get("enable_expert_parallel"):
+        raise PreloadGateError("expert-parallel DP daemons are not supported by this build; use DP=1")
+    args = EngineArgs(
+        model=cfg.checkpoint,
+        tensor_parallel_size=int(eng.get("tp_size", 1)),
+        pipeline_parallel_size=int(eng.get("pp_size", 1)),
+        dtype=eng.get("dtype") or "auto",
+        max_model_len=eng.get("max_model_len"),  # type: ignore[arg-type]
+        quantization=eng.get("quantization"),
+        kv_cache_dtype=eng.get("kv_cache_dtype") or "auto",
+        enable_expert_parallel=bool(eng.get("enable_expert_parallel")),
+        enforce_eager=True,
+        load_format="auto",
+        distributed_executor_backend="mp",
+    )
+    return args.create_engine_config()
+
+
+def fill_model(cfg: RankConfig, transport: Transport, expected: str | None, manifest: Manifest | None) -> Filled:
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.platforms import current_platform
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from preload.vllm_key import key_from_vllm
+
+    start = time.perf_counter()
+    vllm_config = build_vllm_config(cfg)
+    model_config = vllm_config.model_config
+    par = vllm_config.parallel_config
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+    if cfg.distributed_init_method is None:
+        raise PreloadGateError("a loaded-stage rank needs a distributed init method")
+    init_distributed_environment(
+        world_size=tp * pp,
+        rank=cfg.pp_rank * tp + cfg.tp_rank,
+        distributed_init_method=cfg.distributed_init_method,
+        local_rank=cfg.local_rank,
+        backend=current_platform.dist_backend,
+    )
+    device = torch.device(vllm_config.device_config.device if vllm_config.device_config.device else "cpu")
+    with set_current_vllm_config(vllm_config):
+        ensure_model_parallel_initialized(tp, pp)
+        # The key before loading: processing may mutate the quantization config.
+        key = key_from_vllm(
+            vllm_config, "0" * 64, tp_size=tp, tp_rank=cfg.tp_rank, pp_size=pp, pp_rank=cfg.pp_rank,
+            dp_size=int(cfg.engine.get("dp_size", 1)), dp_rank=cfg.dp_rank,
+            export_stage=cfg.stage, transport=transport.name,
+        )
+        loader: Any = get_model_loader(dataclasses.replace(vllm_config.load_config, load_format="auto"))
+        weights = ProvenWeights(cfg.checkpoint)
+        loader.get_all_weights = lambda _mc, _m: weights
+        loader.counter_before_loading_weights = time.perf_counter()
+        # vLLM's imports and config are behind us: what grows from here is weights.
+        baseline_rss = _rss_bytes()
+        with set_default_torch_dtype(model_config.dtype):
+            with device:
+                model = loader.create_model(vllm_config=vllm_config, model_config=model_config)
+            if cfg.stage == "loaded":
+                arena, layout, aliases, checksums = _load_into_arena(model, loader, model_config, transport)
+            else:
+                loader.load_weights(model, model_config)
+                process_weights_after_loading(model, model_config, device)
+                arena, layout, aliases, checksums = _copy_into_arena(model, transport)
+    try:
+        digests = weights.drain()
+        digest = check_digest(digests, expected, manifest)
+    except BaseException:
+        arena.close()
+        raise
+    del model
+    gc.collect()
+    arena.seal()
+    return Filled(
+        arena=arena, layout=layout, key=dataclasses.replace(key, content_digest=digest), digest=digest,
+        stage=cfg.stage, aliases=aliases, shard_digests=digests, checksums=checksums,
+        load_seconds=time.perf_counter() - start, bytes_read=weights.bytes_read,
+        baseline_rss_bytes=baseline_rss,
+    )
+
+
+def _load_into_arena(model: torch.nn.Module, loader: Any, model_config: Any, transport: Transport) -> Any:
+    tensors, aliases = _canonical_tensors(model)
+    layout = _plan(tensors)
+    arena = transport.create(layout)
+    views = arena.views()
+    try:
+        for name, t, _kind in tensors:
+            v = views[name]
+            v.copy_(t.data)  # buffers (rotary caches) carry values from init
+            t.data = v  # load_weights now writes into the arena
+        loader.load_weights(model, model_config)
+        for name, t, _kind in tensors:
+            if t.data_ptr() != views[name].data_ptr():
+                # A weight loader rebound .data instead of copying: keep its value.
+                log.debug("tensor %s was rebound during loading; copying it into the arena", name)
+                views[name].copy_(t.data)
+    except BaseException:
+        _release(tensors)
+        del views
+        arena.close()
+        raise
+    checksums = resident_checksums(arena, views)
+    _release(tensors)
+    del views
+    return arena, layout, aliases, checksums
+
+
+def _copy_into_arena(model: torch.nn.Module, transport: Transport) -> Any:
+    tensors, aliases = _canonical_tensors(model)
+    layout = _plan(tensors)
+    arena = transport.create(layout)
+    views = arena.views()
+    for name, t, _kind in tensors:
+        views[name].copy_(t.data)
+    checksums = resident_checksums(arena, views)
+    _release(tensors)
+    del views
+    return arena, layout, aliases, checksums
+
+
+def _rss_bytes() -> int:
+    from preload.daemon.rank import proc_status
+
+    return proc_status("VmRSS")
+
+
+def _release(tensors: list[tuple[str, torch.Tensor, str]]) -> None:
+    """Drop every model reference into the arena (modules may outlive us in
+    vLLM's forward context), so the writable mapping can be closed."""
+    for _name, t, _kind in tensors:
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    tensors.clear()
+    gc.collect()
+
+
+__all__ = ["CheckpointError", "ProvenWeights", "fill_model"]

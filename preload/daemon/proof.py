@@ -1,0 +1,169 @@
+"""The byte proof: read each shard once, hash every byte in that same pass.
+
+A daemon's claim "these are the weights of digest D" rests on this module:
+each shard is read sequentially (header first, then every tensor in file
+order, no gaps), each chunk goes into its destination and into SHA-256 from
+the same buffer, and the checkpoint digest built from those per-shard hashes
+must equal the digest the daemon was asked to serve. Nothing is trusted from
+a previous read, a manifest or a file's stat.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from preload.errors import CheckpointError, DigestMismatchError
+from preload.identity.digest import checkpoint_digest
+from preload.identity.manifest import Manifest
+from preload.identity.shards import MAX_HEADER_BYTES, ShardHeader, TensorInfo
+from preload.identity.shards import _validate as _validate_header
+
+CHUNK_BYTES = 8 << 20
+
+# safetensors dtype -> torch dtype, for the formats torch can hold.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def torch_dtype(info: TensorInfo, shard: str) -> torch.dtype:
+    try:
+        return SAFETENSORS_DTYPES[info.dtype]
+    except KeyError:
+        raise CheckpointError(f"tensor {info.name!r}: dtype {info.dtype} has no torch equivalent", shard) from None
+
+
+class ProvenShard:
+    """One shard opened for a single hashed pass; read tensors in file order."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.name = self.path.name
+        self._sha = hashlib.sha256()
+        try:
+            self._f = open(self.path, "rb", buffering=0)
+        except OSError as exc:
+            raise CheckpointError(f"cannot open shard: {exc.strerror or exc}", self.name) from exc
+        try:
+            self.size = os.fstat(self._f.fileno()).st_size
+            prefix = self._read(8)
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_BYTES or 8 + header_len > self.size:
+                raise CheckpointError(f"bad header length {header_len} for a {self.size}-byte file", self.name)
+            raw = self._read(header_len)
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as exc:
+                raise CheckpointError(f"header is not UTF-8 JSON: {exc}", self.name) from exc
+            if not isinstance(obj, dict):
+                raise CheckpointError("header is not a JSON object", self.name)
+            # The header we place tensors by is the header we hashed.
+            self.header: ShardHeader = _validate_header(self.name, str(self.path), self.size, header_len, obj)
+        except BaseException:
+            self._f.close()
+            raise
+        self._pos = 8 + header_len
+        self._staging: torch.Tensor | None = None
+
+    def _read(self, n: int) -> bytes:
+        data = self._f.read(n)
+        if len(data) != n:
+            raise CheckpointError(f"file ended early ({len(data)} of {n} bytes read)", self.name)
+        self._sha.update(data)
+        return data
+
+    @property
+    def tensors(self) -> tuple[TensorInfo, ...]:
+        return self.header.tensors
+
+    def read_into(self, info: TensorInfo, target: torch.Tensor) -> None:
+        """Read ``info``'s bytes into ``target`` (a contiguous tensor of the
+        same byte size, any device) and hash them; tensors must come in file order."""
+        if info.begin != self._pos:
+            raise CheckpointError(f"tensor {info.name!r} read out of file order", self.name)
+        flat = target.reshape(-1).view(torch.uint8) if target.numel() else target.view(torch.uint8)
+        if flat.numel() != info.nbytes:
+            raise CheckpointError(
+                f"tensor {info.name!r}: destination holds {flat.numel()} bytes, file has {info.nbytes}",
+                self.name,
+            )
+        if flat.device.type == "cpu":
+            self._fill(flat.numpy().data, info)
+        else:
+            # Devices cannot be read into; stage through one reused host chunk.
+            if self._staging is None:
+                self._staging = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            done = 0
+            while done < info.nbytes:
+                n = min(CHUNK_BYTES, info.nbytes - done)
+                self._fill(self._staging.numpy().data[:n], info)
+                flat[done : done + n].copy_(self._staging[:n], non_blocking=False)
+                done += n
+        self._pos = info.end
+
+    def _fill(self, out: memoryview, info: TensorInfo) -> None:
+        done = 0
+        while done < len(out):
+            n = self._f.readinto(out[done : done + CHUNK_BYTES])
+            if not n:
+                raise CheckpointError(f"tensor {info.name!r}: file ended early", self.name)
+            self._sha.update(out[done : done + n])
+            done += n
+
+    def read_tensor(self, info: TensorInfo) -> torch.Tensor:
+        """A fresh CPU tensor holding ``info`` (for loaders that copy)."""
+        out = torch.empty(info.shape, dtype=torch_dtype(info, self.name))
+        self.read_into(info, out)
+        return out
+
+    def finish(self) -> str:
+        """Every byte must have been read; returns the shard's SHA-256."""
+        try:
+            if self._pos != self.size:
+                raise CheckpointError(f"only {self._pos} of {self.size} bytes were read", self.name)
+            if self._f.read(1):
+                raise CheckpointError("shard grew while it was being read", self.name)
+        finally:
+            self._f.close()
+        return self._sha.hexdigest()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def check_digest(
+    shard_digests: Mapping[str, str],
+    expected: str | None,
+    manifest: Manifest | None = None,
+) -> str:
+    """The checkpoint digest of what was read; DigestMismatchError if it is
+    not ``expected``, naming the shards whose sha256 differs from the manifest."""
+    digest = checkpoint_digest(shard_digests)
+    if expected is None or digest == expected:
+        return digest
+    detail = ""
+    if manifest is not None and manifest.digest == expected:
+        recorded = {s.name: s.sha256 for s in manifest.shards}
+        changed = sorted(n for n, d in shard_digests.items() if recorded.get(n) != d)
+        removed = sorted(set(recorded) - set(shard_digests))
+        parts = []
+        if changed:
+            parts.append("shards whose sha256 differs from the manifest: " + ", ".join(changed))
+        if removed:
+            parts.append("shards missing: " + ", ".join(removed))
+        detail = "; ".join(parts)
+    raise DigestMismatchError(
+        f"refusing to serve: the checkpoint's bytes hash to {digest[:16]}..., not the expected "
+        f"{expected[:16]}...{' (' + detail + ')' if detail else ''}; if the new content is intended, "
+        "run: preload-gate promote CKPT"
+    )

@@ -1,0 +1,183 @@
+"""One rank's daemon process: lock, fill, prove, serve until told to stop.
+
+Started by the launcher as ``python -m preload.daemon.rank`` with a JSON
+:class:`RankConfig` on stdin (no pickle crosses this boundary either). It
+prints exactly one JSON line on stdout: ``{"event": "rank_ready", ...}``
+when serving, or ``{"event": "rank_error", "error": ...}`` before exiting 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from preload.daemon.lock import RankLock
+from preload.daemon.server import RankServer
+from preload.daemon.stage import Filled
+from preload.errors import PreloadGateError
+from preload.identity.manifest import load_manifest
+from preload.sockets import ensure_private_dir, socket_dir
+from preload.transports import get_transport
+
+log = logging.getLogger("preload.daemon")
+
+UNSAFE_IDENTITIES = ("header_only",)
+
+
+@dataclass
+class RankConfig:
+    checkpoint: str
+    global_rank: int = 0
+    local_rank: int = 0
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    stage: str = "raw"
+    transport: str = "shm"
+    socket_root: str | None = None
+    expected_digest: str | None = None
+    unsafe_identity: str | None = None
+    # Engine settings for the loaded/processed stages (tp/pp/dp sizes, dtype...).
+    engine: dict[str, Any] = field(default_factory=dict)
+    distributed_init_method: str | None = None
+    cpus: list[int] | None = None
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> RankConfig:
+        return cls(**obj)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def header_only_digest(checkpoint: str) -> str:
+    """vLLM's own header-only ``hash_checkpoint``, widened to 64 hex by SHA-256.
+
+    UNSAFE on purpose: a negative control for the gate. Two checkpoints with
+    the same layout and different values get the same digest.
+    """
+    from vllm.model_executor.model_loader.weight_cache.protocol import hash_checkpoint
+
+    h = hash_checkpoint(checkpoint)
+    if h is None:
+        raise PreloadGateError(f"vLLM's hash_checkpoint found no safetensors in {checkpoint}")
+    return hashlib.sha256(h.encode()).hexdigest()
+
+
+def proc_status(field_name: str) -> int:
+    """A byte figure from /proc/self/status (VmRSS now, VmHWM peak); 0 if absent."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _fill(cfg: RankConfig, expected: str | None) -> Filled:
+    transport = get_transport(cfg.transport)
+    manifest = load_manifest(cfg.checkpoint)
+    if cfg.stage == "raw":
+        from preload.daemon.raw import fill_raw
+
+        return fill_raw(cfg.checkpoint, transport, expected, manifest)
+    if cfg.stage in ("loaded", "processed"):
+        from preload.daemon.loaded import fill_model
+
+        return fill_model(cfg, transport, expected, manifest)
+    raise PreloadGateError(f"unknown stage {cfg.stage!r} (raw, loaded, processed)")
+
+
+def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None) -> None:
+    """Fill and serve one rank until ``stop`` is set."""
+    if cfg.cpus:
+        os.sched_setaffinity(0, cfg.cpus)
+        import torch
+
+        torch.set_num_threads(len(cfg.cpus))
+    expected = cfg.expected_digest
+    if cfg.unsafe_identity is not None:
+        if cfg.unsafe_identity not in UNSAFE_IDENTITIES:
+            raise PreloadGateError(f"unknown unsafe identity {cfg.unsafe_identity!r}")
+        expected = header_only_digest(cfg.checkpoint)
+        log.warning(
+            "UNSAFE: --unsafe-identity header_only: serving under vLLM's header-only hash %s and "
+            "SKIPPING the byte proof; checkpoints with equal headers and different weights will hit",
+            expected[:16],
+        )
+    lock = None
+    if expected is not None:
+        sdir = ensure_private_dir(socket_dir(expected, cfg.socket_root))
+        lock = RankLock.acquire(sdir, cfg.global_rank)
+    try:
+        baseline = proc_status("VmRSS")
+        filled = _fill(cfg, None if cfg.unsafe_identity else expected)
+        # A stage that imports heavy libraries measures its own baseline after them.
+        filled.baseline_rss_bytes = filled.baseline_rss_bytes or baseline
+        filled.peak_rss_bytes = proc_status("VmHWM")
+        if cfg.unsafe_identity is not None:
+            import dataclasses
+
+            assert expected is not None
+            filled.digest = expected
+            filled.key = dataclasses.replace(filled.key, content_digest=expected)
+        if lock is None:
+            log.warning("no manifest or --expect-digest: serving the digest of the bytes read, %s", filled.digest)
+            sdir = ensure_private_dir(socket_dir(filled.digest, cfg.socket_root))
+            lock = RankLock.acquire(sdir, cfg.global_rank)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    server = RankServer(filled, sdir, cfg.global_rank, lock, checkpoint=os.path.realpath(cfg.checkpoint))
+    server.start()
+    try:
+        if announce is not None:
+            announce({
+                "event": "rank_ready", "digest": filled.digest, "socket_dir": str(sdir),
+                "socket": str(server.path), "global_rank": cfg.global_rank, "local_rank": cfg.local_rank,
+                "tp_rank": cfg.tp_rank, "pp_rank": cfg.pp_rank, "dp_rank": cfg.dp_rank,
+                "pid": os.getpid(), "stage": filled.stage, "transport": cfg.transport,
+                "bytes": filled.layout.total_bytes, "tensors": len(filled.layout.entries),
+                "load_seconds": round(filled.load_seconds, 4), "bytes_read": filled.bytes_read,
+                "peak_rss_bytes": filled.peak_rss_bytes, "baseline_rss_bytes": filled.baseline_rss_bytes,
+                "daemon_id": server.daemon_id,
+            })
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.stop()
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def announce(obj: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    try:
+        cfg = RankConfig.from_json(json.loads(sys.stdin.readline()))
+        serve_rank(cfg, stop, announce)
+    except Exception as exc:
+        if not isinstance(exc, PreloadGateError):
+            log.exception("rank failed")
+        announce({"event": "rank_error", "error": str(exc), "type": type(exc).__name__})
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

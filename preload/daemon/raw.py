@@ -1,0 +1,98 @@
+"""The ``raw`` stage: a checkpoint's tensors under their checkpoint names.
+
+No vLLM: each shard is read once, every byte hashed in that pass, tensors
+placed straight into the arena's views (no second copy of the weights).
+Consumers (a transformers model on the meta device, the GPU machine where
+vLLM is absent) name tensors as the checkpoint does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from preload.checksum import resident_checksums
+from preload.daemon.proof import ProvenShard, check_digest, torch_dtype
+from preload.daemon.stage import Filled
+from preload.errors import CheckpointError
+from preload.identity.key import WeightCacheKey
+from preload.identity.manifest import Manifest, config_digest
+from preload.identity.shards import shard_paths
+from preload.transports.base import Layout, Transport
+
+
+def raw_key(checkpoint: str | os.PathLike[str], digest: str, transport: str) -> WeightCacheKey:
+    """The key of a raw-stage rank; a raw consumer builds the same one."""
+    arch = ""
+    cfg = Path(checkpoint) / "config.json"
+    if cfg.is_file():
+        try:
+            archs = json.loads(cfg.read_text(encoding="utf-8")).get("architectures") or [""]
+            arch = str(archs[0])
+        except (OSError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"config.json is not readable JSON: {exc}") from exc
+    return WeightCacheKey(
+        content_digest=digest,
+        config_digest=config_digest(checkpoint),
+        architecture=arch,
+        export_stage="raw",
+        transport=transport,
+    )
+
+
+def fill_raw(
+    checkpoint: str | os.PathLike[str],
+    transport: Transport,
+    expected_digest: str | None,
+    manifest: Manifest | None = None,
+) -> Filled:
+    """Read, hash and place every tensor; DigestMismatchError (and nothing
+    kept) when the bytes do not hash to ``expected_digest``."""
+    start = time.perf_counter()
+    shards: list[ProvenShard] = []
+    try:
+        for path in shard_paths(checkpoint):
+            shards.append(ProvenShard(path))
+        specs = []
+        seen: dict[str, str] = {}
+        for sh in shards:
+            for t in sh.tensors:
+                if t.name in seen:
+                    raise CheckpointError(f"tensor {t.name!r} also appears in {seen[t.name]}", sh.name)
+                seen[t.name] = sh.name
+                specs.append((t.name, torch_dtype(t, sh.name), t.shape, "param"))
+        layout = Layout.plan(specs)
+        arena = transport.create(layout)
+    except BaseException:
+        for sh in shards:
+            sh.close()
+        raise
+    try:
+        views = arena.views()
+        digests = {}
+        for sh in shards:
+            for t in sh.tensors:
+                sh.read_into(t, views[t.name])
+            digests[sh.name] = sh.finish()
+        checksums = resident_checksums(arena, views)
+        del views
+        digest = check_digest(digests, expected_digest, manifest)
+        arena.seal()
+    except BaseException:
+        for sh in shards:
+            sh.close()
+        arena.close()
+        raise
+    return Filled(
+        arena=arena,
+        layout=layout,
+        key=raw_key(checkpoint, digest, transport.name),
+        digest=digest,
+        stage="raw",
+        shard_digests=digests,
+        checksums=checksums,
+        load_seconds=time.perf_counter() - start,
+        bytes_read=sum(sh.size for sh in shards),
+    )

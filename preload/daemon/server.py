@@ -1,0 +1,286 @@
+"""One rank's socket server: trust checks, commands, counters.
+
+A thread per connection, so a slow client never blocks another; every
+message after its first byte must arrive within a deadline, so a trickling
+peer loses its connection, not the daemon its thread forever. A bad frame
+gets an error answer and the connection closed; it never reaches the
+daemon's own state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from preload import protocol
+from preload.daemon.lock import RankLock
+from preload.daemon.stage import Filled
+from preload.errors import PreloadGateError, ProtocolError
+from preload.identity.key import WeightCacheKey
+from preload.sockets import ensure_private_dir, socket_path, verify_peer, verify_socket
+
+log = logging.getLogger("preload.daemon")
+
+MAX_CONNECTIONS = 256
+
+
+@dataclass
+class RankStats:
+    hits: int = 0
+    misses: Counter[str] = field(default_factory=Counter)
+    attached: int = 0
+    requests: int = 0
+    bad_frames: int = 0
+    releases: int = 0
+
+
+class RankServer:
+    """Serves one sealed arena on ``<socket_dir>/rank<N>.sock``."""
+
+    def __init__(
+        self,
+        filled: Filled,
+        socket_dir: str | os.PathLike[str],
+        global_rank: int,
+        lock: RankLock,
+        deadline_s: float = protocol.DEFAULT_DEADLINE_S,
+        checkpoint: str = "",
+    ) -> None:
+        self.filled = filled
+        self.socket_dir = Path(socket_dir)
+        self.global_rank = global_rank
+        self.path = socket_path(self.socket_dir, global_rank)
+        self.daemon_id = uuid.uuid4().hex
+        self.deadline_s = deadline_s
+        self.checkpoint = checkpoint
+        self.stats = RankStats()
+        self.released = False
+        self._lock = lock
+        self._mutex = threading.Lock()
+        self._stop = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._listener: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._started = time.time()
+
+    @property
+    def key(self) -> WeightCacheKey:
+        return self.filled.key
+
+    def start(self) -> None:
+        """Bind (replacing a stale socket: we hold the rank's lock) and serve."""
+        ensure_private_dir(self.socket_dir)
+        if os.path.lexists(self.path):
+            # Holding the lock makes our own socket here stale; a symlink or
+            # another user's file is tampering: refuse, by name (reliability
+            # tests: test_hostile_peers.py).
+            verify_socket(self.path)
+            os.unlink(self.path)
+            log.warning("replaced a stale socket left by a stopped daemon: %s", self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            listener.bind(str(self.path))
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        listener.listen(64)
+        listener.settimeout(0.2)
+        self._listener = listener
+        self._thread = threading.Thread(target=self._accept_loop, name=f"rank{self.global_rank}-accept", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop accepting, drop connections (watchers see the loss), remove the
+        socket, release the lock, free the arena."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+        if self._listener is not None:
+            self._listener.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        with self._mutex:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._lock.release()
+        self.filled.arena.close()
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with self._mutex:
+                if len(self._conns) >= MAX_CONNECTIONS:
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            try:
+                verify_peer(conn)
+            except PreloadGateError as exc:
+                log.warning("%s", exc)
+                return
+            first = True
+            while not self._stop.is_set():
+                try:
+                    # A connection that never sends its first request within
+                    # the deadline (a leaked socket, a connect-only probe) is
+                    # closed: MAX_CONNECTIONS of them would lock every engine
+                    # out (reliability tests: test_faults_daemon.py).
+                    frame = protocol.recv_frame(conn, self.deadline_s, idle_s=self.deadline_s if first else None)
+                    first = False
+                except ProtocolError as exc:
+                    self._count_bad(exc)
+                    self._reply(conn, protocol.error_reply(str(exc)))
+                    return
+                if frame is None:
+                    return
+                for fd in frame.fds:  # requests never carry descriptors
+                    os.close(fd)
+                if not self._handle(conn, frame.body):
+                    return
+        except OSError:
+            return
+        finally:
+            with self._mutex:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _count_bad(self, exc: Exception) -> None:
+        with self._mutex:
+            self.stats.bad_frames += 1
+        log.warning("rank %d: bad frame: %s", self.global_rank, exc)
+
+    def _reply(self, conn: socket.socket, body: dict[str, Any], fds: list[int] | None = None) -> None:
+        try:
+            protocol.send_frame(conn, body, fds or (), self.deadline_s)
+        except (OSError, ProtocolError):
+            pass
+
+    def _handle(self, conn: socket.socket, body: dict[str, Any]) -> bool:
+        """Answer one request; False closes the connection."""
+        with self._mutex:
+            self.stats.requests += 1
+        try:
+            cmd = protocol.check_request(body)
+        except ProtocolError as exc:
+            self._count_bad(exc)
+            self._reply(conn, protocol.error_reply(str(exc)))
+            return True
+        if cmd == "hello":
+            try:
+                protocol.check_version(body["protocol"])
+            except ProtocolError as exc:
+                self._reply(conn, protocol.error_reply(str(exc)))
+                return False
+            self._reply(conn, {"status": "ok", "protocol": protocol.PROTOCOL_VERSION, **self._identity()})
+        elif cmd == "get_state":
+            self._get_state(conn, body["key"])
+        elif cmd == "get_memory":
+            self._reply(conn, {"status": "ok", "bytes": 0 if self.released else self.filled.layout.total_bytes})
+        elif cmd == "stats":
+            self._reply(conn, {"status": "ok", **self.snapshot()})
+        elif cmd == "release":
+            self._release()
+            self._reply(conn, {"status": "ok", "released": True})
+        elif cmd == "watch":
+            self._watch(conn)
+            return False
+        return True
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "daemon_id": self.daemon_id, "digest": self.filled.digest, "rank": self.global_rank,
+            "stage": self.filled.stage, "transport": self.key.transport, "pid": os.getpid(),
+        }
+
+    def _get_state(self, conn: socket.socket, key_obj: dict[str, Any]) -> None:
+        try:
+            key = WeightCacheKey.from_json(key_obj)
+        except (ValueError, TypeError) as exc:
+            self._count_bad(exc)
+            self._reply(conn, protocol.error_reply(f"get_state: bad key: {exc}"))
+            return
+        fields = self.key.mismatched_fields(key)
+        if fields:
+            with self._mutex:
+                self.stats.misses["key_mismatch:" + ",".join(fields)] += 1
+            self._reply(conn, {"status": "mismatch", "fields": fields, "key": self.key.to_json(), **self._identity()})
+            return
+        if self.released:
+            with self._mutex:
+                self.stats.misses["released"] += 1
+            self._reply(conn, protocol.error_reply("the arena was released (copy mode); restart the daemon"))
+            return
+        f = self.filled
+        reply = {
+            "status": "ok", **self._identity(), "entries": f.layout.to_json(),
+            "total_bytes": f.layout.total_bytes, "aliases": f.aliases,
+            "descriptor": f.arena.descriptor(), "key": self.key.to_json(),
+            "checksums": f.checksums,
+        }
+        with self._mutex:
+            self.stats.hits += 1
+        self._reply(conn, reply, f.arena.fds())
+
+    def _watch(self, conn: socket.socket) -> None:
+        """Hold the connection open; its close is the daemon-loss signal."""
+        # Counted before the answer, so a client that saw "ok" sees itself counted.
+        with self._mutex:
+            self.stats.attached += 1
+        self._reply(conn, {"status": "ok", **self._identity()})
+        try:
+            while not self._stop.is_set():
+                try:
+                    if protocol.recv_frame(conn, self.deadline_s) is None:
+                        return
+                except (ProtocolError, OSError):
+                    return
+        finally:
+            with self._mutex:
+                self.stats.attached -= 1
+
+    def _release(self) -> None:
+        with self._mutex:
+            if self.released:
+                return
+            self.released = True
+            self.stats.releases += 1
+        self.filled.arena.close()
+        log.info("rank %d: arena released on request (copy mode)", self.global_rank)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._mutex:
+            s = self.stats
+            return {
+                **self._identity(),
+                "checkpoint": self.checkpoint,
+                "resident_bytes": 0 if self.released else self.filled.layout.total_bytes,
+                "tensors": len(self.filled.layout.entries),
+                "attached": s.attached, "hits": s.hits, "misses": dict(s.misses),
+                "requests": s.requests, "bad_frames": s.bad_frames, "released": self.released,
+                "load_seconds": self.filled.load_seconds, "uptime_s": time.time() - self._started,
+            }

@@ -1,0 +1,76 @@
+"""The load event: exactly one per engine rank, whatever happened.
+
+``{"outcome": "hit"|"miss"|"error", "reason", "fields", "digest",
+"daemon_digest", "mode", "seconds", "tensors", "bytes", "rank", "source"}``
+is appended as one JSON line to the events file (the loader's
+``events_file`` or ``$PRELOAD_GATE_EVENTS``) and logged as one line
+starting ``preload-gate load:``, so a gate, a log search and a person all
+see the same fact. ``source`` says where the weights came from: ``daemon``,
+``disk`` (a fallback) or ``none`` (the load failed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+log = logging.getLogger("preload.load")
+
+EVENTS_ENV = "PRELOAD_GATE_EVENTS"
+OUTCOMES = ("hit", "miss", "error")
+LOG_PREFIX = "preload-gate load:"
+
+
+@dataclass
+class LoadEvent:
+    outcome: str
+    reason: str
+    fields: list[str] = field(default_factory=list)
+    digest: str | None = None
+    daemon_digest: str | None = None
+    mode: str = "zero_copy"
+    seconds: float = 0.0
+    tensors: int = 0
+    bytes: int = 0
+    rank: int = 0
+    source: str = "none"
+    socket_dir: str | None = None
+    pid: int = field(default_factory=os.getpid)
+
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"outcome {self.outcome!r} is not one of {OUTCOMES}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def events_path(configured: str | None) -> str | None:
+    return configured or os.environ.get(EVENTS_ENV) or None
+
+
+def emit(event: LoadEvent, events_file: str | None = None, loud: bool | None = None) -> None:
+    """Append the event line (one ``write`` on an O_APPEND fd, so ranks
+    writing the same file never interleave) and log it."""
+    line = json.dumps(event.to_json(), sort_keys=True)
+    path = events_path(events_file)
+    if path:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+    if loud is None:
+        loud = event.outcome != "hit"
+    (log.warning if loud else log.info)("%s %s", LOG_PREFIX, line)
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []

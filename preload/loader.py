@@ -1,0 +1,371 @@
+"""The vLLM load format ``verified_cache``: map weights a daemon proved.
+
+Registered through the ``vllm.general_plugins`` entry point
+(``preload.loader:register``). Per engine rank:
+
+1. resolve the checkpoint's content digest (``stat``: one stat per shard
+   against the promotion manifest, no shard opened; ``pinned``; ``full``),
+2. look for this rank's socket in ``socket_dir(digest, root)``: other
+   content means another directory, so "no daemon for this digest",
+3. hello, send the rank's :class:`WeightCacheKey`; on ``ok`` build the model
+   on the meta device, attach the arena (``MAP_PRIVATE`` on CPU), restore
+   tied aliases, then run ``process_weights_after_loading`` as the stage
+   requires,
+4. end in exactly one load event (:mod:`preload.events`).
+
+A miss with ``fallback: true`` loads from disk, loudly (warning + event);
+with ``fallback: false`` it is a startup failure naming the reason.
+
+Extra config (``--model-loader-extra-config``), unknown keys are an error:
+socket_root, socket_dir, mode (zero_copy|copy), fallback, identity
+(stat|pinned|full), expected_digest, verify_resident, events_file,
+connect_timeout_s, state_timeout_s, and two UNSAFE negative controls for the
+gate: ``unsafe_identity: "header_only"`` and ``unsafe_silent_fallback``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from preload.errors import (
+    CacheKeyMismatchError,
+    CheckpointError,
+    ManifestError,
+    PreloadGateError,
+    ProtocolError,
+    WeightCacheUnavailableError,
+)
+from preload.events import LoadEvent, emit
+
+log = logging.getLogger("preload.loader")
+
+LOAD_FORMAT = "verified_cache"
+MODES = ("zero_copy", "copy")
+IDENTITIES = ("stat", "pinned", "full")
+
+# Daemon losses seen by this process (zero-copy watch connections that closed).
+DAEMON_LOSSES = 0
+
+
+class LoaderConfigError(PreloadGateError):
+    """The loader's extra config is malformed."""
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    socket_root: str | None = None
+    socket_dir: str | None = None
+    mode: str = "zero_copy"
+    fallback: bool = True
+    identity: str = "stat"
+    expected_digest: str | None = None
+    verify_resident: bool = False
+    events_file: str | None = None
+    connect_timeout_s: float = 5.0
+    state_timeout_s: float = 300.0
+    unsafe_identity: str | None = None
+    unsafe_silent_fallback: bool = False
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> LoaderOptions:
+        extra = dict(extra or {})
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - set(names))
+        if unknown:
+            raise LoaderConfigError(
+                f"unknown {LOAD_FORMAT} extra config keys: {unknown} (known: {', '.join(sorted(names))})"
+            )
+        for k in ("fallback", "verify_resident", "unsafe_silent_fallback"):
+            if k in extra and not isinstance(extra[k], bool):
+                raise LoaderConfigError(f"{LOAD_FORMAT} extra config {k!r} must be true or false")
+        for k in ("connect_timeout_s", "state_timeout_s"):
+            if k in extra:
+                if isinstance(extra[k], bool) or not isinstance(extra[k], (int, float)) or extra[k] <= 0:
+                    raise LoaderConfigError(f"{LOAD_FORMAT} extra config {k!r} must be a positive number")
+                extra[k] = float(extra[k])
+        for k in ("socket_root", "socket_dir", "expected_digest", "events_file", "unsafe_identity"):
+            if extra.get(k) is not None and not isinstance(extra[k], str):
+                raise LoaderConfigError(f"{LOAD_FORMAT} extra config {k!r} must be a string")
+        opts = cls(**extra)
+        if opts.mode not in MODES:
+            raise LoaderConfigError(f"{LOAD_FORMAT} mode {opts.mode!r} is not one of {', '.join(MODES)}")
+        if opts.identity not in IDENTITIES:
+            raise LoaderConfigError(f"{LOAD_FORMAT} identity {opts.identity!r} is not one of {', '.join(IDENTITIES)}")
+        if opts.identity == "pinned" and not opts.expected_digest:
+            raise LoaderConfigError(f"{LOAD_FORMAT} identity 'pinned' needs expected_digest")
+        if opts.unsafe_identity not in (None, "header_only"):
+            raise LoaderConfigError(f"{LOAD_FORMAT} unsafe_identity must be 'header_only'")
+        return opts
+
+
+class _Miss(Exception):
+    """Internal: why the cache was not used, with what the event needs."""
+
+    def __init__(self, outcome: str, reason: str, fields: list[str] | None = None,
+                 daemon_digest: str | None = None, cause: BaseException | None = None) -> None:
+        super().__init__(reason)
+        self.outcome, self.reason, self.fields = outcome, reason, list(fields or [])
+        self.daemon_digest, self.cause = daemon_digest, cause
+
+
+def _rank_info() -> dict[str, int]:
+    from vllm.distributed import (
+        get_pp_group,
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    pp = get_pp_group()
+    return {"tp_size": get_tensor_model_parallel_world_size(), "tp_rank": get_tensor_model_parallel_rank(),
+            "pp_size": pp.world_size, "pp_rank": pp.rank_in_group}
+
+
+def _on_daemon_loss(sdir: str, rank: int) -> None:
+    global DAEMON_LOSSES
+    DAEMON_LOSSES += 1
+    log.warning(
+        "preload-gate: the weight daemon for rank %d (%s) went away; this engine keeps its mapped "
+        "weights (zero-copy), but a restart will miss until a daemon serves again (losses: %d)",
+        rank, sdir, DAEMON_LOSSES,
+    )
+
+
+def _make_loader_class() -> type:
+    import torch
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    class VerifiedCacheLoader(BaseModelLoader):
+        """Maps a daemon's content-proven weights; see the module docstring."""
+
+        def __init__(self, load_config: Any) -> None:
+            super().__init__(load_config)
+            self.opts = LoaderOptions.from_extra(load_config.model_loader_extra_config)
+            self._watch: Any = None
+            self._attachment: Any = None
+
+        def _disk_config(self) -> Any:
+            return dataclasses.replace(self.load_config, load_format="auto", model_loader_extra_config={})
+
+        def download_model(self, model_config: Any) -> None:
+            DefaultModelLoader(self._disk_config()).download_model(model_config)
+
+        def load_weights(self, model: Any, model_config: Any) -> None:
+            # In-place reloads (weight updates) come from disk, never the cache.
+            DefaultModelLoader(self._disk_config()).load_weights(model, model_config)
+
+        def get_external_weight_memory(self, vllm_config: Any) -> int:
+            return 0  # CPU: the arena is shared file memory, not device memory
+
+        def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
+            start = time.perf_counter()
+            opts = self.opts
+            ranks = _rank_info()
+            dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+            global_rank = (dp_rank * ranks["pp_size"] + ranks["pp_rank"]) * ranks["tp_size"] + ranks["tp_rank"]
+            event = LoadEvent(outcome="miss", reason="", mode=opts.mode, rank=global_rank)
+            try:
+                model = self._load_cached(vllm_config, model_config, prefix, ranks, global_rank, event)
+                event.outcome, event.reason, event.source = "hit", "daemon served the key", "daemon"
+                event.seconds = time.perf_counter() - start
+                emit(event, opts.events_file)
+                return model
+            except _Miss as miss:
+                event.outcome, event.reason, event.fields = miss.outcome, miss.reason, miss.fields
+                event.daemon_digest = miss.daemon_digest or event.daemon_digest
+                cause = miss.cause
+            if not opts.fallback:
+                event.seconds = time.perf_counter() - start
+                emit(event, opts.events_file)
+                err_type = type(cause) if isinstance(cause, PreloadGateError) else WeightCacheUnavailableError
+                if isinstance(cause, CacheKeyMismatchError):
+                    raise CacheKeyMismatchError(event.fields, f"{LOAD_FORMAT} with fallback off: {event.reason}") from cause
+                raise err_type(f"{LOAD_FORMAT} with fallback off: {event.reason}") from cause
+            if opts.unsafe_silent_fallback:
+                # UNSAFE control: what a quiet cache does. No event at all.
+                log.warning("falling back to disk (%s)", event.reason)
+                return DefaultModelLoader(self._disk_config()).load_model(vllm_config, model_config, prefix)
+            model = DefaultModelLoader(self._disk_config()).load_model(vllm_config, model_config, prefix)
+            event.source = "disk"
+            event.seconds = time.perf_counter() - start
+            emit(event, opts.events_file)
+            return model
+
+        def _resolve(self, model_config: Any, event: LoadEvent) -> str:
+            opts = self.opts
+            if opts.unsafe_identity == "header_only":
+                from preload.daemon.rank import header_only_digest
+
+                log.warning("UNSAFE: unsafe_identity=header_only: keying the cache by vLLM's header-only hash")
+                return header_only_digest(model_config.model)
+            from preload.identity.manifest import resolve_digest
+
+            try:
+                res = resolve_digest(model_config.model, mode=opts.identity, expected_digest=opts.expected_digest)
+            except (ManifestError, CheckpointError, ValueError) as exc:
+                raise _Miss("error", f"cannot resolve the checkpoint digest: {exc}", cause=exc) from exc
+            if res.stale_reason:
+                log.warning("preload-gate: manifest was stale (%s); re-hashed the checkpoint", res.stale_reason)
+            return res.digest
+
+        def _load_cached(self, vllm_config: Any, model_config: Any, prefix: str, ranks: dict[str, int],
+                         global_rank: int, event: LoadEvent) -> Any:
+            from preload.client import DaemonClient, Watch
+            from preload.sockets import socket_dir, socket_path
+            from preload.vllm_key import export_stage_for, key_from_vllm, transport_for
+
+            opts = self.opts
+            device_type = str(vllm_config.device_config.device_type or "cpu")
+            digest = self._resolve(model_config, event)
+            event.digest = digest
+            sdir = Path(opts.socket_dir) if opts.socket_dir else socket_dir(digest, opts.socket_root)
+            event.socket_dir = str(sdir)
+            stage = export_stage_for(device_type)
+            key = key_from_vllm(
+                vllm_config, digest, **ranks,
+                dp_size=int(vllm_config.parallel_config.data_parallel_size),
+                dp_rank=int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0),
+                export_stage=stage, transport=transport_for(device_type),
+            )
+            if not socket_path(sdir, global_rank).exists():
+                raise _Miss("miss", f"no daemon for this digest: no socket for rank {global_rank} in {sdir} "
+                            f"(content digest {digest[:16]}; start: preload-gate preload {model_config.model})",
+                            fields=[] if opts.socket_dir else ["content_digest"],
+                            cause=WeightCacheUnavailableError("no daemon for this digest"))
+            try:
+                client = DaemonClient.connect(sdir, global_rank, opts.connect_timeout_s, opts.state_timeout_s,
+                                              client=f"vllm-rank{global_rank}")
+            except (WeightCacheUnavailableError, ProtocolError) as exc:
+                raise _Miss("miss", f"daemon unavailable: {exc}", cause=exc) from exc
+            try:
+                event.daemon_digest = client.hello.get("digest")
+                try:
+                    state = client.get_state(key)
+                except CacheKeyMismatchError as exc:
+                    raise _Miss("miss", f"key mismatch on fields: {', '.join(exc.fields)}", exc.fields,
+                                getattr(exc, "daemon_digest", None), exc) from exc
+                except (WeightCacheUnavailableError, ProtocolError) as exc:
+                    raise _Miss("error", str(exc), cause=exc) from exc
+                event.daemon_digest = state.digest
+                if state.digest != digest:
+                    state.close()
+                    raise _Miss("error", f"daemon in {sdir} serves digest {state.digest[:16]}, not {digest[:16]}",
+                                ["content_digest"], state.digest,
+                                CacheKeyMismatchError(["content_digest"]))
+                try:
+                    model = self._build(vllm_config, model_config, prefix, state)
+                except PreloadGateError as exc:
+                    raise _Miss("error", f"attach failed: {exc}", cause=exc) from exc
+                except Exception as exc:
+                    log.exception("attaching the daemon's weights failed")
+                    raise _Miss("error", f"attach failed: {type(exc).__name__}: {exc}", cause=exc) from exc
+                event.tensors, event.bytes = len(state.layout.entries), state.layout.total_bytes
+                if opts.mode == "copy":
+                    client.release()
+                else:
+                    self._watch = Watch.open(sdir, global_rank, lambda: _on_daemon_loss(str(sdir), global_rank))
+                return model
+            finally:
+                client.close()
+
+        def _build(self, vllm_config: Any, model_config: Any, prefix: str, state: Any) -> Any:
+            from torch import nn
+            from vllm.model_executor.model_loader.utils import (
+                initialize_model,
+                process_weights_after_loading,
+            )
+            from vllm.model_executor.utils import weights_already_processed
+            from vllm.utils.torch_utils import set_default_torch_dtype
+
+            device = torch.device(vllm_config.device_config.device or "cpu")
+            with set_default_torch_dtype(model_config.dtype):
+                with torch.device("meta"):
+                    model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+                attachment = state.attach()
+                modules = dict(model.named_modules(remove_duplicate=False))
+                registered: dict[str, torch.Tensor] = {}
+                kinds = {e.name: e.kind for e in state.layout.entries}
+
+                def register(name: str, tensor: torch.Tensor, is_param: bool) -> None:
+                    module_name, _, leaf = name.rpartition(".")
+                    module = modules.get(module_name)
+                    if module is None:
+                        raise WeightCacheUnavailableError(f"daemon tensor {name} has no module in this model")
+                    old = module._parameters.get(leaf, module._buffers.get(leaf))
+                    if old is not None and (tuple(old.shape) != tuple(tensor.shape) or old.dtype != tensor.dtype):
+                        raise WeightCacheUnavailableError(
+                            f"daemon tensor {name} is {tensor.dtype}{list(tensor.shape)}, the model wants "
+                            f"{old.dtype}{list(old.shape)}")
+                    module._parameters.pop(leaf, None)
+                    module._buffers.pop(leaf, None)
+                    obj: torch.Tensor
+                    if is_param:
+                        obj = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
+                        if old is not None:
+                            # weight_loader and friends live on the Parameter object.
+                            obj.__dict__.update({k: v for k, v in old.__dict__.items() if k not in obj.__dict__})
+                        module.register_parameter(leaf, obj)
+                    else:
+                        obj = tensor
+                        module.register_buffer(leaf, obj)
+                    registered[name] = obj
+
+                for name, tensor in attachment.tensors.items():
+                    register(name, tensor.clone() if self.opts.mode == "copy" else tensor, kinds[name] == "param")
+                for alias, canonical in state.aliases.items():
+                    if canonical not in registered:
+                        raise WeightCacheUnavailableError(f"alias {alias} names missing tensor {canonical}")
+                    register(alias, registered[canonical], isinstance(registered[canonical], nn.Parameter))
+                missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+                if missing:
+                    raise WeightCacheUnavailableError(
+                        f"the daemon did not provide {len(missing)} tensors, e.g. {missing[:3]}")
+                if self.opts.verify_resident:
+                    _verify_resident(attachment.tensors, state)
+                if state.stage == "processed":
+                    with weights_already_processed():
+                        process_weights_after_loading(model, model_config, device)
+                else:
+                    process_weights_after_loading(model, model_config, device)
+            self._attachment = attachment
+            return model.eval()
+
+    return VerifiedCacheLoader
+
+
+def _verify_resident(tensors: dict[str, Any], state: Any) -> None:
+    """Check attached tensors against the daemon's resident checksums.
+
+    A sealed shm arena cannot change (attach verified the seals), so it
+    carries no checksums and passes; a CUDA arena must carry one per tensor.
+    """
+    if not state.checksums and state.descriptor.get("kind") == "shm":
+        return
+    from preload.checksum import verify_resident
+
+    verify_resident(tensors, state.layout, state.checksums)
+
+
+_LOADER_CLASS: type | None = None
+
+
+def loader_class() -> type:
+    global _LOADER_CLASS
+    if _LOADER_CLASS is None:
+        _LOADER_CLASS = _make_loader_class()
+    return _LOADER_CLASS
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: register ``verified_cache``."""
+    from vllm.model_executor.model_loader import register_model_loader
+
+    register_model_loader(LOAD_FORMAT)(loader_class())
+
+
+__all__ = ["LOAD_FORMAT", "LoaderOptions", "register"]

@@ -1,0 +1,91 @@
+"""Build a :class:`WeightCacheKey` from vLLM's configs (daemon and engine alike).
+
+Both sides call :func:`key_from_vllm` with their own configs, before weight
+loading: ``process_weights_after_loading`` may mutate the quantization
+config. Only this module and the loader/daemon stages import vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+from preload.identity.key import WeightCacheKey
+from preload.identity.manifest import config_digest
+from preload.transports.base import dtype_name
+
+
+def _digest(obj: Any) -> str | None:
+    if obj is None:
+        return None
+    if hasattr(obj, "to_dict"):
+        obj = obj.to_dict()
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _rope(hf_config: Any) -> dict[str, Any] | None:
+    rope = {k: getattr(hf_config, k, None) for k in ("rope_theta", "rope_scaling", "rope_parameters")}
+    rope = {k: v for k, v in rope.items() if v is not None}
+    return rope or None
+
+
+def export_stage_for(device_type: str) -> str:
+    """``loaded`` on CPU (processing packs weights into opaque kernel
+    handles there), ``processed`` elsewhere, as vLLM's own cache does."""
+    return "loaded" if device_type == "cpu" else "processed"
+
+
+def transport_for(device_type: str) -> str:
+    return "shm" if device_type == "cpu" else "cuda"
+
+
+def kernel_backend() -> str:
+    from vllm.platforms import current_platform
+
+    return os.environ.get("VLLM_ATTENTION_BACKEND") or str(current_platform.device_type)
+
+
+def key_from_vllm(
+    vllm_config: Any,
+    content_digest: str,
+    *,
+    tp_size: int,
+    tp_rank: int,
+    pp_size: int,
+    pp_rank: int,
+    dp_size: int,
+    dp_rank: int,
+    export_stage: str,
+    transport: str,
+) -> WeightCacheKey:
+    """The key of one rank's resident tensors under ``vllm_config``.
+
+    Dense models key DP as (1, 0): vLLM runs their DP ranks as independent
+    replicas with identical weights. MoE models shard experts by DP.
+    """
+    import vllm
+
+    model_config = vllm_config.model_config
+    hf_config = model_config.hf_config
+    is_moe = bool(getattr(model_config, "is_moe", False))
+    quant = getattr(hf_config, "quantization_config", None)
+    return WeightCacheKey(
+        content_digest=content_digest,
+        config_digest=config_digest(model_config.model),
+        architecture=",".join(getattr(hf_config, "architectures", None) or []),
+        dtype=dtype_name(model_config.dtype),
+        quantization=model_config.quantization,
+        quant_config_digest=_digest(quant),
+        rope_digest=_digest(_rope(hf_config)),
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size, pp_rank=pp_rank,
+        dp_size=dp_size if is_moe else 1, dp_rank=dp_rank if is_moe else 0,
+        enable_expert_parallel=bool(vllm_config.parallel_config.enable_expert_parallel),
+        kernel_backend=kernel_backend(),
+        export_stage=export_stage,
+        transport=transport,
+        vllm_version=vllm.__version__,
+    )

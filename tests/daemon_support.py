@@ -1,0 +1,106 @@
+"""Start and stop ``preload-gate preload`` subprocesses for the daemon tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def short_dir(prefix: str = "pg-d-") -> Path:
+    """AF_UNIX paths are capped at 107 bytes; pytest's tmp_path can be longer."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def env_for(cache: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PRELOAD_GATE_CACHE"] = str(cache)
+    return env
+
+
+@dataclass
+class Daemon:
+    checkpoint: Path
+    root: Path
+    cache: Path
+    args: tuple[str, ...] = ("--stage", "raw")
+    proc: subprocess.Popen | None = None
+    ready: dict = field(default_factory=dict)
+    output: str = ""
+
+    def start(self, timeout: float = 120, expect_ready: bool = True) -> Daemon:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "preload_gate.cli", "preload", str(self.checkpoint),
+             "--socket-root", str(self.root), *self.args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env_for(self.cache), cwd=REPO,
+        )
+        end = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        buf = b""
+        while time.monotonic() < end:
+            r, _, _ = select.select([self.proc.stdout], [], [], 0.2)
+            if r:
+                chunk = os.read(self.proc.stdout.fileno(), 65536)
+                if not chunk:
+                    break
+                buf += chunk
+                if b"\n" in buf:
+                    self.ready = json.loads(buf.split(b"\n", 1)[0])
+                    return self
+            elif self.proc.poll() is not None:
+                break
+        self.proc.wait(30)
+        self.output = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+        if expect_ready:
+            raise AssertionError(f"daemon did not become ready (rc {self.proc.returncode}):\n{self.output[-3000:]}")
+        return self
+
+    @property
+    def socket_dir(self) -> Path:
+        return Path(self.ready["socket_dir"])
+
+    @property
+    def rank_pid(self) -> int:
+        return int(self.ready["ranks"][0]["pid"])
+
+    def stop(self) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stderr:
+            self.output += self.proc.stderr.read().decode(errors="replace")
+        return self.proc.returncode
+
+    def kill_hard(self) -> None:
+        """SIGKILL the rank and the launcher: what a crash leaves behind."""
+        os.kill(self.rank_pid, signal.SIGKILL)
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+        for _ in range(100):
+            try:
+                os.kill(self.rank_pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst

@@ -1,0 +1,78 @@
+"""Helpers for the GPU tier: run a cuda-transport daemon, run engine processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+PROBE = Path(__file__).with_name("engine_probe.py")
+
+
+def probe_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+@contextmanager
+def running_daemon(checkpoint: Path, ready_timeout_s: float = 600.0) -> Iterator[dict[str, Any]]:
+    """``preload-gate preload CKPT --stage raw --transport cuda`` until the block ends.
+
+    Yields the daemon's ready event plus ``proc`` (the launcher's Popen).
+    """
+    root = Path(tempfile.mkdtemp(prefix="pg-gpu-"))
+    os.chmod(root, 0o700)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "preload_gate", "preload", str(checkpoint), "--stage", "raw",
+         "--transport", "cuda", "--identity", "full", "--socket-root", str(root)],
+        stdout=subprocess.PIPE, text=True, env=probe_env(), cwd=str(REPO),
+    )
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
+    reader.start()
+    reader.join(ready_timeout_s)
+    try:
+        if not box or not box[0]:
+            raise RuntimeError(f"daemon for {checkpoint} did not become ready (exit code {proc.poll()})")
+        ready = json.loads(box[0])
+        ready["proc"] = proc
+        yield ready
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def probe(spec: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
+    """Run one engine process; returns its last JSON line (result or error)."""
+    out = subprocess.run(
+        [sys.executable, str(PROBE), json.dumps(spec)], capture_output=True, text=True,
+        timeout=timeout_s, env=probe_env(), cwd=str(REPO),
+    )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        raise AssertionError(f"probe printed no result (exit {out.returncode}):\n{out.stderr[-4000:]}")
+    result = json.loads(lines[-1])
+    result["_stderr"] = out.stderr[-4000:]
+    return result
+
+
+def spec_for(ready: dict[str, Any], checkpoint: Path, action: str, **extra: Any) -> dict[str, Any]:
+    return {"action": action, "checkpoint": str(checkpoint), "digest": ready["digest"],
+            "socket_dir": ready["socket_dir"], **extra}

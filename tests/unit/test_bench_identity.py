@@ -1,0 +1,130 @@
+"""Identity benchmarks: they run, they measure with the shim, and the
+properties that are behaviour (not timing) hold: content/stat opens no shard,
+content/pinned touches nothing. No timing is asserted here; figures are
+ratios in the bench output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.bench import BenchError, BenchOptions, load_rows, markdown, parse_size, run_rows
+from harness.bench.identity import write_synthetic
+from harness.bench.remote_fs import RemoteFS
+from preload.identity import anchors
+from preload.promote import promote
+from preload_gate.cli import main
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True)
+def _no_vllm(monkeypatch):
+    """This tier must not import vLLM: make any attempt fail loudly."""
+    import sys
+
+    if "vllm" not in sys.modules:
+        monkeypatch.setitem(sys.modules, "vllm", None)
+
+
+@pytest.fixture
+def many_shards(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    paths = write_synthetic(ckpt, shards=12, shard_bytes=64 << 10)
+    cache = tmp_path / "cache"
+    digest = promote(ckpt, socket_root=tmp_path / "s", cache_dir=cache, progress=False).digest
+    return ckpt, cache, digest, paths
+
+
+def _counts(ckpt, fn):
+    with RemoteFS([ckpt]) as fs:
+        fn()
+    return fs.counts
+
+
+def test_content_stat_opens_no_shard(many_shards):
+    ckpt, cache, digest, paths = many_shards
+    c = _counts(ckpt, lambda: anchors.content(ckpt, "stat", cache_dir=cache))
+    assert c.opens == 0 and c.reads == 0
+    assert c.stats >= len(paths)
+
+
+def test_content_pinned_touches_nothing(many_shards):
+    ckpt, cache, digest, _ = many_shards
+    c = _counts(ckpt, lambda: anchors.content(ckpt, "pinned", expected_digest=digest))
+    assert c.touched == 0
+
+
+def test_the_shim_sees_the_anchors_io(many_shards):
+    """Control: the zero counts above are not the shim being blind."""
+    ckpt, cache, _, paths = many_shards
+    assert _counts(ckpt, lambda: anchors.header_only(ckpt, "reimpl")).opens >= len(paths)
+    sampled = _counts(ckpt, lambda: anchors.sampled_1k(ckpt))
+    assert sampled.opens >= len(paths) and sampled.reads >= 4 * len(paths)
+    full = _counts(ckpt, lambda: anchors.content(ckpt, "full"))
+    assert full.bytes_read >= sum(p.stat().st_size for p in paths)
+    # A stale manifest (a shard touched) makes stat mode re-hash: opens appear.
+    paths[0].touch()
+    assert _counts(ckpt, lambda: anchors.content(ckpt, "stat", cache_dir=cache)).opens >= len(paths)
+
+
+def test_shim_charges_latency_per_access(many_shards):
+    import time
+
+    ckpt, _, _, paths = many_shards
+    with RemoteFS([ckpt], latency_s=0.01, stat_latency_s=0.0) as fs:
+        t0 = time.perf_counter()
+        anchors.header_only(ckpt, "reimpl")
+        wall = time.perf_counter() - t0
+    assert wall >= 0.01 * (fs.counts.opens + fs.counts.reads)
+
+
+def test_restart_row_runs_small(tmp_path):
+    opts = BenchOptions(workdir=tmp_path, params={"shards": "5", "shard_mb": "0.1", "latency_ms": "0",
+                                                       "header_impl": "reimpl"})
+    results = run_rows(opts, ["restart_identity"])
+    table = {r["scheme"]: r for r in results[0].details["table"]}
+    assert set(table) == {"header_only", "sampled_1k", "path_stat", "realpath",
+                          "content/stat", "content/pinned", "content/full"}
+    assert table["content/stat"]["opens"] == 0
+    assert table["content/pinned"]["opens"] + table["content/pinned"]["stats"] == 0
+    assert table["header_only"]["opens"] >= 5
+    md = markdown(results)
+    assert "header_only" in md and "content/stat" in md
+    assert not list(tmp_path.iterdir()), "scratch checkpoints are removed"
+
+
+def test_throughput_row_runs_small(tmp_path):
+    opts = BenchOptions(workdir=tmp_path, size_bytes=4 << 20, params={"repeats": "1", "hash_shards": "4"})
+    (r,) = run_rows(opts, ["promote_throughput"])
+    assert r.ratio is not None and r.ratio > 0
+    assert r.details["bytes"] >= 4 << 20
+
+
+def test_bench_verb_writes_json_and_markdown(tmp_path, capsys):
+    rc = main(["bench", "--only", "restart_identity", "--json", "--out", str(tmp_path / "out"),
+               "--workdir", str(tmp_path / "w"), "--param", "shards=3", "--param", "shard_mb=0.05",
+               "--param", "latency_ms=0", "--param", "header_impl=reimpl"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["results"][0]["row"] == "restart_identity"
+    assert json.loads((tmp_path / "out" / "bench.json").read_text()) == doc
+    assert (tmp_path / "out" / "bench.md").read_text().startswith("| row |")
+
+
+def test_bench_bad_input(capsys):
+    assert main(["bench", "--only", "nope"]) == 2
+    assert "unknown benchmark rows" in capsys.readouterr().err
+    assert main(["bench", "--param", "oops"]) == 2
+    with pytest.raises(BenchError):
+        parse_size("lots")
+
+
+def test_parse_size():
+    assert parse_size("2G") == 2 << 30 and parse_size("64M") == 64 << 20
+    assert parse_size("512KiB") == 512 << 10 and parse_size("100") == 100
+
+
+def test_registry_has_the_identity_rows():
+    assert {"restart_identity", "promote_throughput"} <= set(load_rows())

@@ -1,0 +1,124 @@
+"""The verdict logic as a table: each row is an engine pair and the verdict it must get.
+
+Rows are recorded-shaped engine results (no vLLM). Every BLOCK reason has a
+row that produces it and a neighbouring row, differing in the one thing the
+reason is about, that does not: the control that the check can fail.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from harness.engine import EngineResult
+from harness.verdict import (
+    BLOCK,
+    LOGPROB_TOLERANCE,
+    PASS,
+    Expectation,
+    first_difference,
+    judge,
+    max_logprob_diff,
+)
+
+pytestmark = pytest.mark.unit
+
+BASE = "a" * 64
+OTHER = "b" * 64
+HEADER = "c" * 64
+TOKENS = [[5, 6, 7, 8], [9, 10, 11, 12]]
+
+
+def _lp(tokens: list[list[int]], shift: float = 0.0) -> list[list[dict[str, float]]]:
+    return [[{str(t): -0.5 - 0.01 * i + shift, "999": -3.0} for i, t in enumerate(row)] for row in tokens]
+
+
+def engine(tokens=TOKENS, events=(), ok=True, shift=0.0, error=None) -> EngineResult:
+    return EngineResult(ok=ok, token_ids=[list(r) for r in tokens] if ok else [],
+                        logprobs=_lp(tokens, shift) if ok else [], events=[dict(e) for e in events],
+                        error=error)
+
+
+def hit(digest=BASE, daemon=BASE, rank=0) -> dict:
+    return {"outcome": "hit", "reason": "daemon served the key", "fields": [], "digest": digest,
+            "daemon_digest": daemon, "rank": rank}
+
+
+def miss(digest=OTHER, fields=("content_digest",), rank=0) -> dict:
+    return {"outcome": "miss", "reason": "no daemon for this digest", "fields": list(fields),
+            "digest": digest, "daemon_digest": None, "rank": rank}
+
+
+MUTATED = [[5, 6, 7, 8], [9, 10, 99, 12]]
+REF = engine()
+REF_MUT = engine(MUTATED)
+
+# (id, expectation, reference, candidate, status, reasons)
+TABLE = [
+    ("hit equal tokens passes", Expectation("hit", BASE, BASE), REF, engine(events=[hit()]), PASS, []),
+    ("loud miss on other content passes", Expectation("miss", OTHER, BASE), REF_MUT,
+     engine(MUTATED, events=[miss()]), PASS, []),
+    ("tokens differ -> output_mismatch", Expectation("hit", BASE, BASE), REF,
+     engine(MUTATED, events=[hit()]), BLOCK, ["output_mismatch"]),
+    ("logprob beyond tolerance -> drift", Expectation("hit", BASE, BASE), REF,
+     engine(events=[hit()], shift=10 * LOGPROB_TOLERANCE), BLOCK, ["logprob_drift"]),
+    ("logprob within tolerance passes", Expectation("hit", BASE, BASE), REF,
+     engine(events=[hit()], shift=LOGPROB_TOLERANCE / 10), PASS, []),
+    # The upstream bug: a header-keyed hit on other content, tokens differ.
+    ("hit on base while candidate differs -> wrong_hit + mismatch", Expectation("miss", OTHER, BASE),
+     REF_MUT, engine(TOKENS, events=[hit(HEADER, HEADER)]), BLOCK, ["wrong_hit", "output_mismatch"]),
+    # ... and where the edit is too small to move a greedy token.
+    ("wrong hit with equal tokens -> wrong_hit", Expectation("miss", OTHER, BASE), REF,
+     engine(events=[hit(HEADER, HEADER)]), BLOCK, ["wrong_hit"]),
+    ("hit whose claimed digest is not the candidate's -> wrong_hit", Expectation("hit", BASE, BASE), REF,
+     engine(events=[hit(digest=OTHER, daemon=OTHER)]), BLOCK, ["wrong_hit"]),
+    ("hit where settings require a miss -> wrong_hit", Expectation("miss", BASE, BASE, expected_fields=("dtype",)),
+     REF, engine(events=[hit()]), BLOCK, ["wrong_hit"]),
+    ("served with no event -> silent_fallback", Expectation("miss", OTHER, BASE), REF_MUT,
+     engine(MUTATED, events=[]), BLOCK, ["silent_fallback"]),
+    ("required hit missed, engine refused -> unexpected_miss", Expectation("hit", BASE, BASE), REF,
+     engine(ok=False, events=[miss(BASE, ["dtype"])], error="fallback off"), BLOCK, ["unexpected_miss"]),
+    ("required hit missed, engine served from disk -> unexpected_miss + silent_fallback",
+     Expectation("hit", BASE, BASE), REF, engine(events=[miss(BASE)]), BLOCK,
+     ["unexpected_miss", "silent_fallback"]),
+    ("cached engine crashed -> error", Expectation("miss", OTHER, BASE), REF_MUT,
+     engine(ok=False, error="EngineCore died"), BLOCK, ["error"]),
+    ("reference crashed -> error", Expectation("hit", BASE, BASE), engine(ok=False, error="boom"),
+     engine(events=[hit()]), BLOCK, ["error"]),
+    ("two events for one rank -> error", Expectation("hit", BASE, BASE), REF,
+     engine(events=[hit(), hit()]), BLOCK, ["error"]),
+    ("one event per rank at TP=2 passes", Expectation("hit", BASE, BASE, ranks=2), REF,
+     engine(events=[hit(rank=0), hit(rank=1)]), PASS, []),
+    ("unknown outcome -> error", Expectation("hit", BASE, BASE), REF,
+     engine(events=[{"outcome": "maybe", "rank": 0}]), BLOCK, ["error"]),
+]
+
+
+@pytest.mark.parametrize("name,exp,ref,cand,status,reasons", TABLE, ids=[r[0] for r in TABLE])
+def test_verdict_table(name, exp, ref, cand, status, reasons):
+    v = judge(exp, ref, cand)
+    assert v.status == status, v.details
+    assert sorted(v.reasons) == sorted(reasons), v.details
+    assert len(v.details) >= len(reasons)
+
+
+def test_every_reason_is_produced_by_some_row():
+    from harness.verdict import REASONS
+
+    seen = {r for *_, reasons in TABLE for r in reasons}
+    assert seen == set(REASONS)
+
+
+def test_first_difference_names_prompt_position_and_both_tokens():
+    assert first_difference(TOKENS, TOKENS) is None
+    assert first_difference(TOKENS, MUTATED) == {"prompt": 1, "position": 2, "reference": 11, "candidate": 99}
+    # A shorter run differs where it stops.
+    assert first_difference([[1, 2, 3]], [[1, 2]]) == {"prompt": 0, "position": 2, "reference": 3, "candidate": None}
+
+
+def test_logprob_diff_only_where_tokens_agree_and_nan_is_infinite():
+    assert max_logprob_diff(REF, engine(shift=0.25)) == pytest.approx(0.25)
+    nan = engine()
+    nan.logprobs[0][0][str(TOKENS[0][0])] = math.nan
+    assert max_logprob_diff(REF, nan) == math.inf
