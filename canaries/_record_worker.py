@@ -50,8 +50,10 @@ def _record(spec: dict[str, Any]) -> dict[str, Any]:
         comp = out.outputs[0]
         token_ids = [int(t) for t in comp.token_ids]
         steps = comp.logprobs or []
-        top = [{str(int(t)): float(lp.logprob) for t, lp in step.items()} for step in steps]
-        chosen = [float(step[t].logprob) for t, step in zip(token_ids, steps, strict=True)]
+        if len(steps) != len(token_ids) or any(step is None for step in steps):
+            raise RuntimeError(f"engine returned logprobs for {len(steps)} of {len(token_ids)} tokens")
+        top = [{str(int(t)): float(lp.logprob) for t, lp in step.items()} for step in steps if step]
+        chosen = [float(step[t].logprob) for t, step in zip(token_ids, steps, strict=True) if step]
         seen.update(token_ids)
         seen.update(int(t) for step in top for t in step)
         prompts.append({

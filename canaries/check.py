@@ -60,7 +60,7 @@ class ReplicaResult:
 
     ``reason``: ``match``, ``token_mismatch``, ``logprob_drift``,
     ``unreachable``, ``timeout``, ``http_error``, ``malformed``,
-    ``no_model``, ``version_mismatch``.
+    ``no_model``, ``version_mismatch``, ``error`` (anything else, named).
     """
 
     base_url: str
@@ -184,27 +184,14 @@ class _Replica:
         self.api, self.root = api_urls(base_url)
 
     async def run(self, sem: asyncio.Semaphore) -> ReplicaResult:
-        t0 = time.monotonic()
-        attempts = 0
-        result = ReplicaResult(self.base_url, False, "unreachable", "not checked")
         async with sem:
+            t0 = time.monotonic()
             # max_retries=0: retries are ours, each under one overall deadline.
             client = AsyncOpenAI(base_url=self.api, api_key=self.api_key, max_retries=0, timeout=self.timeout_s)
             try:
-                while True:
-                    attempts += 1
-                    try:
-                        result = await asyncio.wait_for(self._attempt(client), timeout=self.timeout_s)
-                        break
-                    except asyncio.TimeoutError:
-                        failure = ReplicaFailure(
-                            "timeout", f"no complete answer within {self.timeout_s:g} s", retryable=True)
-                    except ReplicaFailure as exc:
-                        failure = exc
-                    result = ReplicaResult(self.base_url, False, failure.reason, str(failure))
-                    if not failure.retryable or attempts > self.retries:
-                        break
-                    await asyncio.sleep(_BACKOFF_S * attempts)
+                result, attempts = await self._attempts(client)
+                if result.first_difference is not None:
+                    await self._name_tokens(client, result)
             finally:
                 await client.close()
         result.attempts = attempts
@@ -212,6 +199,35 @@ class _Replica:
         if not result.ok and result.reason in ("unreachable", "timeout", "http_error") and attempts > 1:
             result.detail += f" (after {attempts} attempts)"
         return result
+
+    async def _attempts(self, client: Any) -> tuple[ReplicaResult, int]:
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                return await asyncio.wait_for(self._attempt(client), timeout=self.timeout_s), attempts
+            except asyncio.TimeoutError:
+                failure = ReplicaFailure("timeout", f"no complete answer within {self.timeout_s:g} s", retryable=True)
+            except ReplicaFailure as exc:
+                failure = exc
+            except Exception as exc:  # a surprise is this replica's failure, not the whole check's
+                failure = ReplicaFailure("error", f"{type(exc).__name__}: {exc}")
+            if not failure.retryable or attempts > self.retries:
+                return ReplicaResult(self.base_url, False, failure.reason, str(failure)), attempts
+            await asyncio.sleep(_BACKOFF_S * attempts)
+
+    async def _name_tokens(self, client: Any, result: ReplicaResult) -> None:
+        """Put the differing tokens into words, under its own deadline: a
+        replica slow to detokenize still gets its token verdict, with ids."""
+        assert result.first_difference is not None
+        diff = result.first_difference["difference"]
+        try:
+            described = await asyncio.wait_for(
+                self._describe(client, result.model or "", diff, ask_replica=True), timeout=self.timeout_s)
+        except Exception:  # the golden's own token texts still name what they can
+            described = await self._describe(client, result.model or "", diff, ask_replica=False)
+        result.first_difference = described
+        result.detail = described["detail"]
 
     async def _attempt(self, client: Any) -> ReplicaResult:
         model = self.model or await self._served_model(client)
@@ -234,11 +250,12 @@ class _Replica:
             )
         diff = comparison.difference
         assert diff is not None
-        described = await self._describe(client, model, diff)
+        # Named in words by run(), outside this attempt's deadline.
         return ReplicaResult(
             self.base_url, False, "token_mismatch" if diff.kind == "token" else "logprob_drift",
-            described["detail"], model=model, vllm_version=version,
-            max_logprob_delta=comparison.max_delta, first_difference=described,
+            f"{diff.kind} difference in prompt {diff.prompt_index} at position {diff.position}",
+            model=model, vllm_version=version,
+            max_logprob_delta=comparison.max_delta, first_difference={"difference": diff},
         )
 
     async def _call(self, what: str, request: Any) -> str | None:
@@ -307,12 +324,14 @@ class _Replica:
         body = _json_body(resp, "POST /v1/completions")
         return parse_completion(body, len(self.golden.prompts))
 
-    async def _token_text(self, client: Any, model: str, token_id: int | None) -> str:
+    async def _token_text(self, client: Any, model: str, token_id: int | None, ask_replica: bool) -> str:
         if token_id is None:
             return "<end of answer>"
         known = self.golden.token_text(token_id)
         if known is not None:
             return known
+        if not ask_replica:
+            return f"<id {token_id}>"
         # Not in the golden's vocabulary excerpt: ask the replica's tokenizer.
         try:
             text = await client.post(
@@ -325,19 +344,19 @@ class _Replica:
             pass
         return f"<id {token_id}>"
 
-    async def _describe(self, client: Any, model: str, d: Difference) -> dict[str, Any]:
+    async def _describe(self, client: Any, model: str, d: Difference, ask_replica: bool) -> dict[str, Any]:
         prompt = self.golden.prompts[d.prompt_index].prompt
         out: dict[str, Any] = {"kind": d.kind, "prompt_index": d.prompt_index, "prompt": prompt, "position": d.position}
         if d.kind == "token":
-            exp_text = await self._token_text(client, model, d.expected_id)
-            got_text = await self._token_text(client, model, d.got_id)
+            exp_text = await self._token_text(client, model, d.expected_id, ask_replica)
+            got_text = await self._token_text(client, model, d.got_id, ask_replica)
             out.update(expected_id=d.expected_id, expected_text=exp_text, got_id=d.got_id, got_text=got_text)
             out["detail"] = (
                 f"token mismatch in prompt {d.prompt_index} ({prompt[:40]!r}) at position {d.position}: "
                 f"expected {d.expected_id} {exp_text!r}, got {d.got_id} {got_text!r}"
             )
         else:
-            tok_text = await self._token_text(client, model, d.token_id)
+            tok_text = await self._token_text(client, model, d.token_id, ask_replica)
             out.update(token_id=d.token_id, token_text=tok_text,
                        expected_logprob=d.expected_logprob, got_logprob=d.got_logprob)
             out["detail"] = (
@@ -391,9 +410,9 @@ def _claims(
 
     out: dict[str, Claim] = dict(claims or {})
     if expect_digest is not None:
-        c = expected(expect_digest)
+        operator = expected(expect_digest)
         for u in base_urls:
-            out.setdefault(u, c)
+            out.setdefault(u, operator)
     for u in base_urls:
         c = out.get(u)
         if c is not None and c.digest != golden.digest:

@@ -87,7 +87,13 @@ def _check(args: argparse.Namespace) -> int:
     import os
 
     from canaries import claims as claim_sources
-    from canaries.check import check
+
+    try:
+        from canaries.check import check
+    except ModuleNotFoundError as exc:
+        if exc.name != "openai":
+            raise
+        raise GoldenError("canary check needs the openai client: pip install 'preload-gate[cpu]' (or openai)") from exc
     from canaries.compare import DEFAULT_TOLERANCE
     from canaries.golden import load_golden
 

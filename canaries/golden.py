@@ -42,6 +42,8 @@ FORMAT = "preload-gate-golden/1"
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_TOP_LOGPROBS = 5
 DEFAULT_RECORD_TIMEOUT_S = 600.0
+# The recording engine, after ``sys.executable``; SPEC and OUT paths follow.
+_WORKER_ARGS: tuple[str, ...] = ("-m", "canaries._record_worker")
 
 
 @dataclass(frozen=True)
@@ -255,7 +257,7 @@ def _run_worker(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         _atomic.write_json(spec_path, spec)
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "canaries._record_worker", str(spec_path), str(out_path)],
+                [sys.executable, *_WORKER_ARGS, str(spec_path), str(out_path)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=record_env(), start_new_session=True,
             )

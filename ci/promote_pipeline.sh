@@ -129,8 +129,10 @@ fi
 EVENTS="$OUT/events.jsonl"
 EXTRA=$(python3 -c 'import json,sys; print(json.dumps({"socket_root": sys.argv[1], "fallback": False,
   "identity": "pinned", "expected_digest": sys.argv[2], "events_file": sys.argv[3]}))' "$SOCKET_ROOT" "$DIGEST" "$EVENTS")
-q() {  # shell-quote one word, readably: 'as is' unless it holds a single quote
-  if [[ "$1" != *"'"* ]]; then printf "'%s'" "$1"; else printf '%q' "$1"; fi
+q() {  # shell-quote one word, readably: bare if plain, 'single-quoted' if it can be
+  if [[ "$1" =~ ^[A-Za-z0-9_./:=@%+,-]+$ ]]; then printf '%s' "$1"
+  elif [[ "$1" != *"'"* ]]; then printf "'%s'" "$1"
+  else printf '%q' "$1"; fi
 }
 engine_args=""
 for a in "${ENGINE_ARGS[@]}"; do engine_args+=" $(q "$a")"; done

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -123,14 +124,16 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--report", default="preload-gate-report", metavar="DIR")
     p.add_argument("--mutations", default="all", metavar="all|NAME,..")
     _gate_options(p)
-    p.set_defaults(func=_demo)
+    # Two engines at once, each pinned to its own core, when there are two.
+    p.set_defaults(func=_demo, jobs=min(2, len(os.sched_getaffinity(0))))
 
 
 def _demo(args: argparse.Namespace) -> int:
     from harness.demo import run_demo
 
     return run_demo(model=args.model, report_dir=args.report, mutations=args.mutations, jobs=args.jobs,
-                    workdir=args.workdir, reference_cache=args.reference_cache)
+                    workdir=args.workdir, reference_cache=args.reference_cache, run_tp=args.run_tp,
+                    engine_timeout_s=args.engine_timeout)
 
 
 # Verbs in the order --help lists them.

@@ -31,7 +31,8 @@ def build_model(model: str, out: Path) -> Path:
 
 
 def run_demo(model: str = "tiny", report_dir: str = "preload-gate-report", mutations: str = "all",
-             jobs: int = 1, workdir: str | None = None, reference_cache: str | None = None) -> int:
+             jobs: int = 1, workdir: str | None = None, reference_cache: str | None = None,
+             run_tp: bool = False, engine_timeout_s: float = 300.0) -> int:
     progress = TerminalProgress()
     scratch = Path(workdir or tempfile.mkdtemp(prefix="preload-gate-demo-"))
     try:
@@ -40,6 +41,7 @@ def run_demo(model: str = "tiny", report_dir: str = "preload-gate-report", mutat
         report = run_gate(GateOptions(
             candidate=str(ckpt), mutations=mutations, report_dir=report_dir, jobs=jobs,
             workdir=str(scratch / "gate"), reference_cache=reference_cache, progress=progress,
+            run_tp=run_tp, engine_timeout_s=engine_timeout_s,
         ))
         doc = report.to_json()
         paths = write_reports(doc, report_dir)

@@ -36,21 +36,24 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness.daemon_process import DaemonProcess, DaemonStartError
 from harness.engine import DEFAULT_TIMEOUT_S, EngineResult, EngineSpec, run_engine
 from harness.mutations import BASE_SETTINGS, GateCase, select_cases
-from harness.verdict import BLOCK, LOGPROB_TOLERANCE, NOT_RUN, PASS, Expectation, Verdict, judge
+from harness.results import CaseResult, GateReport
+from harness.verdict import LOGPROB_TOLERANCE, NOT_RUN, PASS, Expectation, judge
 from preload import _atomic
 from preload.errors import PreloadGateError
 from preload.identity.digest import checkpoint_digest, hash_shards
 from preload.identity.shards import shard_paths
 
 TARGETS = ("verified_cache", "ipc_cache")
-EXIT_PASS, EXIT_BLOCKED, EXIT_NOT_RUN = 0, 1, 2
+# header_only fingerprints come from the installed vLLM ("auto"); unit tests
+# without vLLM use the labelled reimplementation ("reimpl").
+HEADER_IMPL = "auto"
 
 
 class GateSetupError(PreloadGateError):
@@ -78,110 +81,6 @@ class GateOptions:
     tolerance: float = LOGPROB_TOLERANCE
     record_golden: bool = True
     progress: Callable[[str, str], None] | None = None  # (stage, message)
-
-
-@dataclass
-class CaseResult:
-    """One case's inputs, both engines' results, and the verdict."""
-
-    name: str
-    description: str
-    expect: str
-    weights_equal: bool
-    settings: dict[str, Any]
-    status: str
-    candidate: str = ""
-    candidate_digest: str = ""
-    daemon_digest: str = ""
-    verdict: Verdict | None = None
-    not_run_reason: str = ""
-    key_check: dict[str, Any] | None = None
-    fingerprints: dict[str, dict[str, Any]] = field(default_factory=dict)
-    reference: EngineResult | None = None
-    cached: EngineResult | None = None
-    reference_reused: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        def engine(r: EngineResult | None) -> dict[str, Any] | None:
-            return None if r is None else r.to_json()
-
-        return {
-            "name": self.name,
-            "description": self.description,
-            "expect": self.expect,
-            "weights_equal": self.weights_equal,
-            "settings": self.settings,
-            "status": self.status,
-            "candidate": self.candidate,
-            "candidate_digest": self.candidate_digest,
-            "daemon_digest": self.daemon_digest,
-            "verdict": None if self.verdict is None else self.verdict.to_json(),
-            "not_run_reason": self.not_run_reason,
-            "key_check": self.key_check,
-            "fingerprints": self.fingerprints,
-            "reference": engine(self.reference),
-            "cached": engine(self.cached),
-            "reference_reused": self.reference_reused,
-        }
-
-
-@dataclass
-class GateReport:
-    """The whole run: what was asked, each case, the overall verdict."""
-
-    mode: str  # "self-test" or "promotion"
-    target: str
-    candidate: str
-    base: str
-    cases: list[CaseResult]
-    controls: dict[str, Any]
-    tolerance: float
-    vllm_version: str | None
-    seconds: float = 0.0
-    error: str | None = None
-    daemon: dict[str, Any] = field(default_factory=dict)
-    golden: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def counts(self) -> dict[str, int]:
-        c = {PASS: 0, BLOCK: 0, NOT_RUN: 0}
-        for r in self.cases:
-            c[r.status] += 1
-        return c
-
-    @property
-    def verdict(self) -> str:
-        c = self.counts
-        if c[BLOCK]:
-            return BLOCK
-        if self.error or c[PASS] == 0:
-            return NOT_RUN
-        return PASS
-
-    @property
-    def exit_code(self) -> int:
-        return {PASS: EXIT_PASS, BLOCK: EXIT_BLOCKED, NOT_RUN: EXIT_NOT_RUN}[self.verdict]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schema_version": 1,
-            "tool": "preload-gate",
-            "mode": self.mode,
-            "target": self.target,
-            "candidate": self.candidate,
-            "base": self.base,
-            "verdict": self.verdict,
-            "exit_code": self.exit_code,
-            "counts": self.counts,
-            "controls": self.controls,
-            "logprob_tolerance": self.tolerance,
-            "vllm_version": self.vllm_version,
-            "seconds": round(self.seconds, 3),
-            "error": self.error,
-            "daemon": self.daemon,
-            "golden": self.golden,
-            "cases": [c.to_json() for c in self.cases],
-        }
 
 
 def vllm_version() -> str | None:
@@ -239,8 +138,8 @@ def _fingerprints(base: Path, candidate: Path, base_prints: dict[str, str] | Non
     out: dict[str, dict[str, Any]] = {}
     for scheme in anchors.SCHEMES:
         try:
-            b = base_prints[scheme] if base_prints else anchors.fingerprint(scheme, base).hex
-            c = anchors.fingerprint(scheme, candidate).hex
+            b = base_prints[scheme] if base_prints else _print(scheme, base)
+            c = _print(scheme, candidate)
             out[scheme] = {"equal": b == c}
         except Exception as exc:  # a scheme that cannot run is shown, not hidden
             out[scheme] = {"equal": None, "error": f"{type(exc).__name__}: {exc}"}
@@ -250,7 +149,14 @@ def _fingerprints(base: Path, candidate: Path, base_prints: dict[str, str] | Non
 def _base_prints(path: Path) -> dict[str, str]:
     from preload.identity import anchors
 
-    return {s: anchors.fingerprint(s, path).hex for s in anchors.SCHEMES}
+    return {s: _print(s, path) for s in anchors.SCHEMES}
+
+
+def _print(scheme: str, path: Path) -> str:
+    from preload.identity import anchors
+
+    opts: dict[str, Any] = {"implementation": HEADER_IMPL} if scheme == "header_only" else {}
+    return anchors.fingerprint(scheme, path, **opts).hex
 
 
 @dataclass
@@ -413,7 +319,7 @@ def _prepare(opts: GateOptions, case: GateCase, base: Path, candidate: Path, dae
     res.candidate = str(cand)
     res.candidate_digest = content_digest(cand)
     s = case.settings
-    common = {"dtype": s.dtype, "tensor_parallel_size": s.tensor_parallel_size,
+    common: dict[str, Any] = {"dtype": s.dtype, "tensor_parallel_size": s.tensor_parallel_size,
               "data_parallel_size": s.data_parallel_size}
     p.reference_spec = EngineSpec(checkpoint=str(cand), **common)
     extra: dict[str, Any] = {"fallback": case.expect == "miss", "identity": "stat",

@@ -8,6 +8,7 @@ and ``--load-format verified_cache``.
 
 from __future__ import annotations
 
+from preload.identity.anchors import fingerprints
 from preload.promote import Promotion, promote
 
-__all__ = ["Promotion", "promote"]
+__all__ = ["Promotion", "fingerprints", "promote"]

@@ -60,13 +60,13 @@ def register_fingerprints(sub: argparse._SubParsersAction) -> None:
 
 def _fingerprints(args: argparse.Namespace) -> int:
     from preload.errors import PreloadGateError
-    from preload.identity.anchors import compare
+    from preload.identity.anchors import fingerprints
 
     if (args.candidate is None) == (args.mutations is None):
         raise PreloadGateError("give exactly one of --candidate B or --mutations all|NAME,..")
     if args.mutations is not None:
         return _fingerprint_matrix(args)
-    schemes = compare(args.base, args.candidate, header_impl=args.header_impl, workers=args.workers)
+    schemes = fingerprints(args.base, args.candidate, header_impl=args.header_impl, workers=args.workers)
     if args.json:
         print(json.dumps({"base": args.base, "candidate": args.candidate, "schemes": schemes}, indent=2))
         return 0
@@ -88,7 +88,7 @@ def _fingerprint_matrix(args: argparse.Namespace) -> int:
     import tempfile
 
     from fixtures.mutations import MUTATIONS, by_name
-    from preload.identity.anchors import SCHEMES, compare, validate_checkpoint
+    from preload.identity.anchors import SCHEMES, fingerprints, validate_checkpoint
 
     validate_checkpoint(args.base)
     results: list[dict[str, Any]] = []
@@ -99,9 +99,9 @@ def _fingerprint_matrix(args: argparse.Namespace) -> int:
             before: dict[str, dict[str, object]] = {}
             if row.in_place:
                 # The base is overwritten by apply: fingerprint it first.
-                before = compare(staged, staged, header_impl=args.header_impl, workers=args.workers)
+                before = fingerprints(staged, staged, header_impl=args.header_impl, workers=args.workers)
             candidate = row.apply(staged, work)
-            schemes = compare(staged, candidate, header_impl=args.header_impl, workers=args.workers)
+            schemes = fingerprints(staged, candidate, header_impl=args.header_impl, workers=args.workers)
             if row.in_place:
                 for name, r in schemes.items():
                     r["base"] = before[name]["base"]

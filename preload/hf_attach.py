@@ -141,7 +141,9 @@ def place_tensors(model: Any, tensors: dict[str, torch.Tensor], aliases: dict[st
             owner._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
         else:
             owner._buffers[leaf] = tensor
-    model.tie_weights()
+    tie = getattr(model, "tie_weights", None)  # transformers models; a plain nn.Module has none
+    if tie is not None:
+        tie()
     left = sorted(n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta)
     if left:
         raise AttachError(

@@ -39,10 +39,12 @@ class Daemon:
     output: str = ""
 
     def start(self, timeout: float = 120, expect_ready: bool = True) -> Daemon:
+        # stderr to a file: a pipe nobody drains would block a chatty daemon.
+        self._err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "preload_gate.cli", "preload", str(self.checkpoint),
              "--socket-root", str(self.root), *self.args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env_for(self.cache), cwd=REPO,
+            stdout=subprocess.PIPE, stderr=self._err, env=env_for(self.cache), cwd=REPO,
         )
         end = time.monotonic() + timeout
         assert self.proc.stdout is not None
@@ -59,8 +61,10 @@ class Daemon:
                     return self
             elif self.proc.poll() is not None:
                 break
+        if self.proc.poll() is None:
+            self.stop()
         self.proc.wait(30)
-        self.output = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+        self.output = self._stderr()
         if expect_ready:
             raise AssertionError(f"daemon did not become ready (rc {self.proc.returncode}):\n{self.output[-3000:]}")
         return self
@@ -83,9 +87,12 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc.stderr:
-            self.output += self.proc.stderr.read().decode(errors="replace")
+        self.output = self._stderr()
         return self.proc.returncode
+
+    def _stderr(self) -> str:
+        self._err.seek(0)
+        return self._err.read().decode(errors="replace")
 
     def kill_hard(self) -> None:
         """SIGKILL the rank and the launcher: what a crash leaves behind."""

@@ -18,6 +18,7 @@ other test areas define, and so a test imports exactly what it uses.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import json
@@ -212,7 +213,10 @@ def bad_checkpoint(out: Path, bad: BadCheckpoint, seed: int = 0) -> Path:
 def short_tempdir(prefix: str = "pg-rel-") -> Path:
     """A private dir with a short path: AF_UNIX paths are capped at 107 bytes,
     and pytest's tmp_path plus ``<digest16>/rank0.sock`` can exceed it."""
-    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    # Outside pytest's tmp_path, so nothing else would ever remove it.
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -265,8 +265,8 @@ def gpu_checksum(options: BenchOptions) -> list[BenchResult]:
     nbytes = sum(e.nbytes for e in layout.entries)
     # Kernel shape sweep (programs of ITERS x 4096 words, num_warps): same bytes, same answer.
     sweep = {}
-    expect = ck._lanes_triton(base, layout, iters=1, warps=8)
-    for iters, warps in ((1, 8), (2, 8), (4, 4), (4, 8), (8, 8), (16, 8), (8, 16)):
+    expect = ck._lanes_triton(base, layout, iters=1, warps=4)
+    for iters, warps in ((1, 4), (2, 4), (4, 4), (8, 4), (16, 4), (4, 8), (8, 8), (4, 2)):
         assert torch.equal(ck._lanes_triton(base, layout, iters=iters, warps=warps), expect), (iters, warps)
         t = _cuda_time(lambda i=iters, w=warps: ck._lanes_triton(base, layout, iters=i, warps=w), reps)
         sweep[f"iters={iters},warps={warps}"] = nbytes / statistics.median(t) / 1e12
@@ -288,7 +288,7 @@ def gpu_checksum(options: BenchOptions) -> list[BenchResult]:
         row="gpu_checksum", title=f"{title} ({nbytes / (1 << 30):.1f} GiB, {len(layout.entries)} tensors)",
         anchor=Figure("naive torch sum (unweighted)", naive_tbps, "TB/s"),
         ours=Figure("checksum_tensors (Triton, one launch)", tbps, "TB/s"),
-        ratio=tbps / naive_tbps, ratio_meaning="faster", target=">= 3 TB/s",
+        ratio=tbps / naive_tbps, ratio_meaning="of the naive sum's throughput", target=">= 3 TB/s",
         details={
             "bytes": nbytes, "tensors": len(layout.entries), "triton_s": fast, "naive_sum_s": naive,
             "torch_reference_s": slow, "torch_reference_tbps": ref_tbps, "sweep_kernel_only_tbps": sweep,
@@ -350,11 +350,13 @@ def gpu_daemon_attach(options: BenchOptions) -> list[BenchResult]:
             torch.cuda.init()
             torch.empty(1, device="cuda")
             key = raw_key(ckpt, ready["digest"], "cuda")
-            samples, attach_only, verify_only = [], [], []
+            samples, attach_only, verify_only, connect_only, state_only = [], [], [], [], []
             for r in range(reps + 1):
                 t0 = time.perf_counter()
                 client = DaemonClient.connect(ready["socket_dir"], 0)
+                tc = time.perf_counter()
                 state = client.get_state(key)
+                ts = time.perf_counter()
                 att = state.attach()
                 torch.cuda.synchronize()
                 t1 = time.perf_counter()
@@ -367,6 +369,8 @@ def gpu_daemon_attach(options: BenchOptions) -> list[BenchResult]:
                     samples.append(t2 - t0)
                     attach_only.append(t1 - t0)
                     verify_only.append(t2 - t1)
+                    connect_only.append(tc - t0)
+                    state_only.append(ts - tc)
             disk = []
             paths = shard_paths(ckpt)
             for _ in range(2):
@@ -391,6 +395,7 @@ def gpu_daemon_attach(options: BenchOptions) -> list[BenchResult]:
         details={
             "bytes": nbytes, "tensors": ready["ranks"][0]["tensors"], "e2e_ms": [s * 1e3 for s in samples],
             "attach_ms": [s * 1e3 for s in attach_only], "verify_ms": [s * 1e3 for s in verify_only],
+            "connect_hello_ms": [s * 1e3 for s in connect_only], "get_state_ms": [s * 1e3 for s in state_only],
             "disk_load_s": disk, "write_checkpoint_s": write_s, "daemon_start_s": daemon_start_s,
             "daemon_load_seconds": ready["ranks"][0].get("load_seconds"),
             "device": torch.cuda.get_device_name(0),

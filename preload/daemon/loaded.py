@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -135,6 +136,9 @@ def fill_model(cfg: RankConfig, transport: Transport, expected: str | None, mani
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     if cfg.distributed_init_method is None:
         raise PreloadGateError("a loaded-stage rank needs a distributed init method")
+    # vLLM's CPU communicator names its shared-memory group by this, as the
+    # CPU worker sets it: one name per daemon group (its rendezvous port).
+    os.environ.setdefault("VLLM_DIST_IDENT", "pgd" + cfg.distributed_init_method.rsplit(":", 1)[-1])
     init_distributed_environment(
         world_size=tp * pp,
         rank=cfg.pp_rank * tp + cfg.tp_rank,

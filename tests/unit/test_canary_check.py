@@ -67,7 +67,8 @@ def completion_body(golden: Golden, edit: dict[tuple[int, int], int] | None = No
 class FakeReplica:
     """An OpenAI-compatible server whose completions endpoint misbehaves on demand.
 
-    ``mode``: ok | wrong | slow | drip | garbage | bad_tokens | error500 | version.
+    ``mode``: ok | wrong | wrong_slow_detokenize | slow | drip | garbage |
+    bad_tokens | error500 | version.
     """
 
     def __init__(self, golden: Golden, mode: str = "ok") -> None:
@@ -99,6 +100,9 @@ class FakeReplica:
                 body = json.loads(self.rfile.read(n) or b"null")
                 outer.requests.append(("POST", self.path, body))
                 if self.path == "/detokenize":
+                    if outer.mode == "wrong_slow_detokenize":
+                        outer.stop.wait(10.0)
+                        return
                     self.send_json({"prompt": f"<tok{body['tokens'][0]}>"})
                     return
                 mode = outer.mode
@@ -129,7 +133,7 @@ class FakeReplica:
                     self.send_json(bad)
                 elif mode == "error500":
                     self.send_raw(500, b'{"error": "engine dead"}', "application/json")
-                elif mode == "wrong":
+                elif mode in ("wrong", "wrong_slow_detokenize"):
                     self.send_json(completion_body(outer.golden, edit={(1, 2): 777}))
                 else:
                     self.send_json(completion_body(outer.golden))
@@ -393,3 +397,15 @@ def test_control_client_timeout_alone_does_not_bound_a_dripping_server(replicas)
         return "finished"
 
     assert asyncio.run(bounded()) == "still reading after 4x the client timeout"
+
+
+def test_token_verdict_survives_a_replica_that_hangs_on_detokenize(replicas) -> None:
+    """Naming tokens in words is best effort under its own deadline; the
+    verdict (token_mismatch, with ids) never turns into a timeout."""
+    r = replicas("wrong_slow_detokenize")
+    report, elapsed = run_check([r.url])
+    res = report.results[0]
+    assert res.reason == "token_mismatch" and res.attempts == 1
+    assert res.first_difference["got_id"] == 777 and res.first_difference["got_text"] == "<id 777>"
+    assert res.first_difference["expected_text"] == "<31>"
+    assert elapsed < 2 * TIMEOUT + 1.5

@@ -37,7 +37,7 @@ def _bigint_reference(t: torch.Tensor) -> str:
         blk = k >> 12
         a += x * int(ck._TA[k % 4096])
         b += x * ((((int(ck._TB[blk % 4096]) + (blk >> 12) * ck._KB)) & 0xFFFFFFFF) | 1)
-        c += (((x << 16) | (x >> 16)) & 0xFFFFFFFF) * int(ck._TC[k % 4096])
+        c += (((x << 16) | (x >> 16)) & 0xFFFFFFFF) * int(ck._TA[k % 4096])
     m = 0xFFFFFFFF
     return f"{a & m:08x}{b & m:08x}{c & m:08x}"
 

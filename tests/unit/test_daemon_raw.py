@@ -52,6 +52,20 @@ def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
             for n, t in tensors.items()}
 
 
+@pytest.fixture
+def spawn():
+    """``spawn(Daemon(...))`` registers a daemon to be stopped whatever the test does."""
+    started: list[Daemon] = []
+
+    def register(d: Daemon) -> Daemon:
+        started.append(d)
+        return d
+
+    yield register
+    for d in started:
+        d.stop()
+
+
 @pytest.fixture(scope="module")
 def served(tiny_ckpt, tmp_path_factory):
     root, cache = short_dir(), tmp_path_factory.mktemp("cache")
@@ -188,9 +202,9 @@ def test_status_lists_the_daemon(served):
     assert ranks[0]["resident_bytes"] == served.ready["ranks"][0]["bytes"]
 
 
-def test_second_daemon_for_the_same_rank_fails_fast(served):
+def test_second_daemon_for_the_same_rank_fails_fast(served, spawn):
     start = time.monotonic()
-    second = Daemon(served.checkpoint, served.root, served.cache).start(expect_ready=False, timeout=60)
+    second = spawn(Daemon(served.checkpoint, served.root, served.cache)).start(expect_ready=False, timeout=60)
     assert second.proc.returncode != 0
     assert "already serves rank 0" in second.output
     assert time.monotonic() - start < 30
@@ -199,7 +213,7 @@ def test_second_daemon_for_the_same_rank_fails_fast(served):
     c.close()
 
 
-def test_refuses_bytes_that_do_not_hash_to_the_promoted_digest(tiny_ckpt, tmp_path):
+def test_refuses_bytes_that_do_not_hash_to_the_promoted_digest(tiny_ckpt, tmp_path, spawn):
     root, cache = short_dir(), tmp_path / "cache"
     ckpt = copy_checkpoint(tiny_ckpt, tmp_path / "ckpt")
     promoted = promote(ckpt, socket_root=root, cache_dir=cache)
@@ -208,23 +222,23 @@ def test_refuses_bytes_that_do_not_hash_to_the_promoted_digest(tiny_ckpt, tmp_pa
     data[-3] ^= 0xFF  # one byte of the last tensor: the header is untouched
     shard.write_bytes(bytes(data))
     try:
-        d = Daemon(ckpt, root, cache).start(expect_ready=False)
+        d = spawn(Daemon(ckpt, root, cache)).start(expect_ready=False)
         assert d.proc.returncode == 2
         assert "refusing to serve" in d.output and f"differs from the manifest: {shard.name}" in d.output
         assert list(promoted.socket_dir.iterdir()) == []  # no socket, no lock: nothing written
         # Control: promoting the new bytes makes the same daemon serve.
         promote(ckpt, socket_root=root, cache_dir=cache)
-        ok = Daemon(ckpt, root, cache).start()
+        ok = spawn(Daemon(ckpt, root, cache)).start()
         assert ok.ready["digest"] != promoted.digest
         ok.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_expect_digest_mismatch_refuses(tiny_ckpt, tmp_path):
+def test_expect_digest_mismatch_refuses(tiny_ckpt, tmp_path, spawn):
     root = short_dir()
     try:
-        d = Daemon(tiny_ckpt, root, tmp_path / "c", ("--stage", "raw", "--expect-digest", "ab" * 32))
+        d = spawn(Daemon(tiny_ckpt, root, tmp_path / "c", ("--stage", "raw", "--expect-digest", "ab" * 32)))
         d.start(expect_ready=False)
         assert d.proc.returncode == 2 and "not the expected abababab" in d.output
         assert not any((root / ("ab" * 8)).glob("*.sock"))
@@ -232,10 +246,10 @@ def test_expect_digest_mismatch_refuses(tiny_ckpt, tmp_path):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_stale_socket_is_taken_over_and_clean_stop_removes_it(tiny_ckpt, tmp_path):
+def test_stale_socket_is_taken_over_and_clean_stop_removes_it(tiny_ckpt, tmp_path, spawn):
     root, cache = short_dir(), tmp_path / "cache"
     try:
-        first = Daemon(tiny_ckpt, root, cache, ("--stage", "raw", "--identity", "full")).start()
+        first = spawn(Daemon(tiny_ckpt, root, cache, ("--stage", "raw", "--identity", "full"))).start()
         sock = Path(first.ready["ranks"][0]["socket"])
         first.kill_hard()
         assert sock.exists()  # the crash left its socket behind
@@ -245,7 +259,7 @@ def test_stale_socket_is_taken_over_and_clean_stop_removes_it(tiny_ckpt, tmp_pat
                 s.connect(str(sock))
             finally:
                 s.close()
-        second = Daemon(tiny_ckpt, root, cache, ("--stage", "raw", "--identity", "full")).start()
+        second = spawn(Daemon(tiny_ckpt, root, cache, ("--stage", "raw", "--identity", "full"))).start()
         c = DaemonClient.connect(second.socket_dir, 0)
         assert c.hello["daemon_id"] == second.ready["ranks"][0]["daemon_id"] != first.ready["ranks"][0]["daemon_id"]
         c.close()
@@ -255,10 +269,10 @@ def test_stale_socket_is_taken_over_and_clean_stop_removes_it(tiny_ckpt, tmp_pat
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_watch_close_is_daemon_loss(tiny_ckpt, tmp_path):
+def test_watch_close_is_daemon_loss(tiny_ckpt, tmp_path, spawn):
     root = short_dir()
     try:
-        d = Daemon(tiny_ckpt, root, tmp_path / "c", ("--stage", "raw", "--identity", "full")).start()
+        d = spawn(Daemon(tiny_ckpt, root, tmp_path / "c", ("--stage", "raw", "--identity", "full"))).start()
         lost = threading.Event()
         w = Watch.open(d.socket_dir, 0, lost.set)
         c = DaemonClient.connect(d.socket_dir, 0)

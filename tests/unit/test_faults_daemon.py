@@ -391,3 +391,38 @@ def test_connect_only_clients_do_not_lock_out_engines(daemon: RawDaemon, ckpt: P
         for s in idle:
             s.close()
     assert daemon.alive()
+
+
+def test_launcher_killed_ranks_stop_and_next_daemon_serves(
+    ckpt: Path, env: tuple[Path, Path, str], expected: dict[str, str]
+) -> None:
+    """kill -9 of ``preload-gate preload`` (the launcher): its rank processes
+    must not live on as orphans holding the rank lock, or the next daemon
+    could never take over."""
+    sockets, cache, digest = env
+    first = RawDaemon(ckpt, sockets, cache, entry="cli").start()
+    rank_pid = first.serving_pid
+    assert rank_pid != first.proc.pid  # type: ignore[union-attr]
+    first.kill()
+
+    def gone() -> bool:
+        try:
+            os.kill(rank_pid, 0)
+        except ProcessLookupError:
+            return True
+        # A zombie waiting for its reaper counts as gone.
+        with open(f"/proc/{rank_pid}/stat") as f:
+            return f.read().split(") ", 1)[1].startswith("Z")
+
+    try:
+        assert _wait(gone, 5), "the orphaned rank is still running after its launcher was killed"
+    finally:
+        if not gone():
+            os.kill(rank_pid, signal.SIGKILL)
+    second = RawDaemon(ckpt, sockets, cache, entry="cli").start()
+    try:
+        att, tensors = attach_raw(second.socket_dir, ckpt, digest)
+        assert tensor_digests(tensors) == expected
+        att.close()  # type: ignore[attr-defined]
+    finally:
+        second.stop()

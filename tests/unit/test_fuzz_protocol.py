@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import socket
 import struct
 import threading
@@ -313,6 +314,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RawDaemon]:
     d = RawDaemon(ckpt, sockets, base / "cache").start()
     yield d
     d.stop()
+    shutil.rmtree(sockets, ignore_errors=True)
 
 
 def test_generator_is_seeded_and_covers_every_kind() -> None:

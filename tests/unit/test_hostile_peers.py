@@ -275,3 +275,49 @@ def test_daemon_control_clean_directory_serves(ckpt: Path, tmp_path: Path) -> No
     finally:
         d.stop()
         shutil.rmtree(sockets, ignore_errors=True)
+
+
+# ------------------------------------------------ nothing that runs code
+
+# Calls that turn bytes into code or objects: a peer past the uid check
+# (same user, a compromised engine) must still only be able to send data.
+UNSAFE_CALLS = {
+    ("pickle", "loads"), ("pickle", "load"), ("pickle", "Unpickler"), ("marshal", "loads"),
+    ("torch", "load"), ("shelve", "open"), ("dill", "loads"), ("cloudpickle", "loads"),
+}
+UNSAFE_MODULES = {"pickle", "marshal", "shelve", "dill", "cloudpickle", "multiprocessing.connection"}
+
+
+def _unsafe_uses(source: str, filename: str) -> list[str]:
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            found += [f"{filename}:{node.lineno} imports {n}" for n in names if n in UNSAFE_MODULES]
+        elif isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and (f.value.id, f.attr) in UNSAFE_CALLS:
+                found.append(f"{filename}:{node.lineno} calls {f.value.id}.{f.attr}")
+            elif isinstance(f, ast.Name) and f.id in ("eval", "exec"):
+                found.append(f"{filename}:{node.lineno} calls {f.id}")
+    return found
+
+
+def test_scan_catches_unpickling() -> None:
+    """Control for the scan below."""
+    src = "import pickle\nimport torch\ndef f(b):\n    torch.load(b)\n    eval(b)\n    return pickle.loads(b)\n"
+    assert len(_unsafe_uses(src, "x.py")) == 4
+    assert _unsafe_uses("import json\ndef f(m):\n    return m.eval()\n", "y.py") == []
+
+
+def test_preload_never_unpickles() -> None:
+    """The daemon, client, protocol and transports (everything a peer's bytes
+    reach) neither import an unpickler nor evaluate anything."""
+    from reliability_support import REPO
+
+    hits = []
+    for path in sorted((REPO / "preload").rglob("*.py")):
+        hits += _unsafe_uses(path.read_text(), path.relative_to(REPO).as_posix())
+    assert hits == [], "\n".join(hits)

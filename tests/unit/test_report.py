@@ -1,4 +1,8 @@
-"""Reports from recorded-shaped gate results: JSON Schema, JUnit XSD, Markdown, HTML.
+"""Reports from gate results: JSON Schema, JUnit XSD, Markdown, HTML.
+
+``data/gate_report_selftest_full.json`` is the report.json of a real full
+self-test (``preload-gate demo``, tiny fixture, vLLM CPU 0.32.0), its
+logprobs trimmed to two positions per prompt to keep the file small.
 
 Each validator has a control: a report broken in one place must fail it,
 so a validator that accepts anything cannot pass these tests.
@@ -177,3 +181,19 @@ def test_write_reports_is_atomic_and_complete(tmp_path):
     before = copy.deepcopy(doc)
     write_reports(doc, tmp_path)
     assert doc == before
+
+
+@pytest.mark.skipif(not RECORDED, reason="no recorded report in tests/unit/data")
+def test_recorded_self_test_shows_hits_and_loud_misses():
+    doc = json.loads(RECORDED[0].read_text())
+    md = render_markdown(doc)
+    assert "11 passed, 0 blocked, 2 not run" in md
+    outcomes = {c["name"]: (c["verdict"] or {}).get("outcome") for c in doc["cases"]}
+    assert outcomes.pop("identical_copy") == "hit"
+    assert outcomes.pop("tp_shift") is None and outcomes.pop("dp_shift") is None
+    assert set(outcomes.values()) == {"miss"}
+    # every miss is loud: one event naming its reason
+    for c in doc["cases"]:
+        if c["status"] == "PASS" and c["expect"] == "miss":
+            (event,) = c["cached"]["events"]
+            assert event["outcome"] == "miss" and event["reason"]

@@ -1,0 +1,96 @@
+"""Golden recording's failure paths, without an engine: a stub worker stands in for vLLM."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from canaries import golden as golden_mod
+from canaries.errors import GoldenError
+from preload.errors import CheckpointError
+from preload.identity.shards import shard_paths
+
+pytestmark = pytest.mark.unit
+
+
+def stub_result(n_prompts: int, max_tokens: int = 16) -> dict:
+    prompt = {"prompt": "p", "prompt_token_ids": [1, 2], "token_ids": [7] * max_tokens, "text": "x",
+              "token_logprobs": [-0.5] * max_tokens, "top_logprobs": [{"7": -0.5}] * max_tokens}
+    return {"ok": True, "vllm_version": "0.32.0", "prompts": [prompt] * n_prompts, "token_texts": {"7": "seven"}}
+
+
+def test_record_writes_a_golden_keyed_by_an_independent_digest(tiny_ckpt, tmp_path, monkeypatch) -> None:
+    from canaries.golden import content_digest, load_golden, record
+
+    monkeypatch.setattr(golden_mod, "_run_worker", lambda spec, timeout_s: stub_result(len(spec["prompts"])))
+    out = tmp_path / "g.json"
+    g = record(tiny_ckpt, out, prompts=["a", "b"])
+    assert g.digest == content_digest(tiny_ckpt)
+    assert load_golden(out).key() == g.key()
+    assert json.loads(out.read_text())["engine"]["load_format"] == "auto"
+
+
+def test_checkpoint_edited_during_recording_is_refused(tiny_ckpt, tmp_path, monkeypatch) -> None:
+    from fixtures.mutations import copy_checkpoint
+
+    ckpt = copy_checkpoint(tiny_ckpt, tmp_path / "ckpt")
+    shard = shard_paths(ckpt)[0]
+
+    def editing_worker(spec: dict, timeout_s: float) -> dict:
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 1  # what an rsync landing mid-recording looks like
+        time.sleep(0.01)
+        shard.write_bytes(bytes(data))
+        return stub_result(len(spec["prompts"]))
+
+    monkeypatch.setattr(golden_mod, "_run_worker", editing_worker)
+    out = tmp_path / "g.json"
+    with pytest.raises(GoldenError, match="changed while the golden was being recorded"):
+        golden_mod.record(ckpt, out)
+    assert not out.exists()
+    # Control: the same recording without the edit succeeds.
+    monkeypatch.setattr(golden_mod, "_run_worker", lambda spec, timeout_s: stub_result(len(spec["prompts"])))
+    golden_mod.record(ckpt, out)
+    assert out.exists()
+
+
+def test_hung_recording_engine_is_killed_within_timeout(tiny_ckpt, tmp_path, monkeypatch) -> None:
+    marker = tmp_path / "child.pid"
+    # A stand-in engine that leaves a child behind and hangs, as vLLM's CPU engine core can.
+    code = ("import os, subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(marker)!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    monkeypatch.setattr(golden_mod, "_WORKER_ARGS", ("-c", code))
+    t0 = time.monotonic()
+    with pytest.raises(GoldenError, match="timed out after 2 s"):
+        golden_mod.record(tiny_ckpt, tmp_path / "g.json", timeout_s=2)
+    assert time.monotonic() - t0 < 15
+    child = int(marker.read_text())
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+
+def test_failed_recording_engine_is_one_error_with_its_reason(tiny_ckpt, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(golden_mod, "_WORKER_ARGS", ("-c", "import sys; print('boom: no engine'); sys.exit(3)"))
+    with pytest.raises(GoldenError, match="exited with code 3 and wrote no result(.|\n)*boom: no engine"):
+        golden_mod.record(tiny_ckpt, tmp_path / "g.json", timeout_s=30)
+    assert not (tmp_path / "g.json").exists()
+
+
+def test_bad_inputs(tmp_path) -> None:
+    with pytest.raises(CheckpointError):
+        golden_mod.record(tmp_path / "absent", tmp_path / "g.json")
+    with pytest.raises(GoldenError, match="max_tokens"):
+        golden_mod.Sampling(max_tokens=0)
+    from canaries.prompts import load_prompts
+
+    (tmp_path / "p.txt").write_text("\n  \n")
+    with pytest.raises(GoldenError, match="holds no prompt"):
+        load_prompts(tmp_path / "p.txt")
+    (tmp_path / "p.json").write_text('["a", 3]')
+    with pytest.raises(GoldenError, match="list of strings"):
+        load_prompts(tmp_path / "p.json")
+    (tmp_path / "q.txt").write_text("one\n\ntwo\n")
+    assert load_prompts(tmp_path / "q.txt") == ("one", "two")
