@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from preload.checksum import resident_checksums
-from preload.daemon.proof import ProvenShard, check_digest
+from preload.daemon.proof import ProvenShard, check_digest, torch_dtype
 from preload.daemon.stage import Filled
 from preload.errors import CheckpointError, PreloadGateError
 from preload.identity.manifest import Manifest
@@ -51,6 +51,10 @@ class ProvenWeights:
         self.paths = shard_paths(checkpoint)
         self.digests: dict[str, str] = {}
         self.bytes_read = 0
+        # Arena views a checkpoint tensor can be read straight into (same name,
+        # shape and dtype as a parameter): no temporary copy of those weights.
+        self.direct: dict[str, torch.Tensor] = {}
+        self.direct_reads = 0
         self._it = self._iterate()
 
     def _iterate(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -58,6 +62,14 @@ class ProvenWeights:
             shard = ProvenShard(path)
             try:
                 for info in shard.tensors:
+                    target = self.direct.get(info.name)
+                    if target is not None and target.dtype == torch_dtype(info, shard.name) \
+                            and tuple(target.shape) == info.shape:
+                        shard.read_into(info, target)
+                        self.direct_reads += 1
+                        # The weight loader copies it onto itself (a no-op).
+                        yield info.name, target
+                        continue
                     yield info.name, shard.read_tensor(info)
                 self.digests[shard.name] = shard.finish()
                 self.bytes_read += shard.size
@@ -165,7 +177,7 @@ def fill_model(cfg: RankConfig, transport: Transport, expected: str | None, mani
             with device:
                 model = loader.create_model(vllm_config=vllm_config, model_config=model_config)
             if cfg.stage == "loaded":
-                arena, layout, aliases, checksums = _load_into_arena(model, loader, model_config, transport)
+                arena, layout, aliases, checksums = _load_into_arena(model, loader, model_config, transport, weights)
             else:
                 loader.load_weights(model, model_config)
                 process_weights_after_loading(model, model_config, device)
@@ -187,17 +199,37 @@ def fill_model(cfg: RankConfig, transport: Transport, expected: str | None, mani
     )
 
 
-def _load_into_arena(model: torch.nn.Module, loader: Any, model_config: Any, transport: Transport) -> Any:
+def _plain_copy_loader(param: torch.Tensor) -> bool:
+    """A parameter whose weight loader copies a same-shaped tensor unchanged
+    (vLLM's default loader, or none); only those may be read in place."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    fn = getattr(param, "weight_loader", default_weight_loader)
+    # The embedding's loader narrows to this rank's vocab shard and copies: with
+    # an equal shape that shard is the whole tensor, a copy onto itself.
+    return fn is default_weight_loader or getattr(fn, "__func__", None) is VocabParallelEmbedding.weight_loader
+
+
+def _load_into_arena(model: torch.nn.Module, loader: Any, model_config: Any, transport: Transport,
+                     weights: ProvenWeights) -> Any:
     tensors, aliases = _canonical_tensors(model)
     layout = _plan(tensors)
     arena = transport.create(layout)
     views = arena.views()
     try:
-        for name, t, _kind in tensors:
+        for name, t, kind in tensors:
             v = views[name]
-            v.copy_(t.data)  # buffers (rotary caches) carry values from init
+            if kind == "buffer":
+                v.copy_(t.data)  # buffers (rotary caches) carry values from init
             t.data = v  # load_weights now writes into the arena
-        loader.load_weights(model, model_config)
+            if kind == "param" and _plain_copy_loader(t):
+                weights.direct[name] = v
+        try:
+            loader.load_weights(model, model_config)
+        finally:
+            weights.direct.clear()  # its views pin the writable mapping
+        log.info("read %d tensors straight into the arena", weights.direct_reads)
         for name, t, _kind in tensors:
             if t.data_ptr() != views[name].data_ptr():
                 # A weight loader rebound .data instead of copying: keep its value.
