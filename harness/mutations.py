@@ -147,9 +147,9 @@ SETTING_CASES: tuple[GateCase, ...] = (
         recipe=None, weights_equal=True, settings=EngineSettings(tensor_parallel_size=2),
         expected_fields=("tp_size",),
         cpu_skip=(
-            "TP=2 on CPU needs both cores bound (VLLM_CPU_OMP_THREADS_BIND=0|1) for two "
-            "auto and two cached ranks; on a shared 2-core runner that doubles the self-test "
-            "time for a check the key already decides; run with --run-tp to include it"
+            "TP=2 on CPU binds both cores (VLLM_CPU_OMP_THREADS_BIND=0|1) for an auto and a "
+            "cached engine of two ranks each (about 2.5 min on a loaded 2-core runner), while "
+            "the key check below already decides the outcome; run it with --run-tp"
         ),
     ),
     GateCase(

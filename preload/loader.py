@@ -268,7 +268,14 @@ def _make_loader_class() -> type:
                 if opts.mode == "copy":
                     client.release()
                 else:
-                    self._watch = Watch.open(sdir, global_rank, lambda: _on_daemon_loss(str(sdir), global_rank))
+                    try:
+                        self._watch = Watch.open(sdir, global_rank, lambda: _on_daemon_loss(str(sdir), global_rank))
+                    except (WeightCacheUnavailableError, ProtocolError, OSError) as exc:
+                        # The weights are already mapped (and stay mapped after the
+                        # daemon exits), so the hit stands; losing the daemon in
+                        # this window is a daemon loss, not a failed load.
+                        log.warning("preload-gate: cannot watch the daemon in %s: %s", sdir, exc)
+                        _on_daemon_loss(str(sdir), global_rank)
                 return model
             finally:
                 client.close()
