@@ -35,9 +35,11 @@ def gate_selftest(options: BenchOptions) -> list[BenchResult]:
                                           workdir=str(work / f"gate-{label}"),
                                           reference_cache=str(work / "refcache"), record_golden=False))
             runs.append({"label": label, "seconds": time.perf_counter() - t0, "verdict": report.verdict,
-                         "counts": report.counts, "engines": sum(
-                             (c.cached is not None) + (c.reference is not None and not c.reference_reused)
-                             for c in report.cases),
+                         "counts": report.counts,
+                         # cases with equal candidate bytes share one reference run
+                         "engines": sum(c.cached is not None for c in report.cases) + len(
+                             {id(c.reference) for c in report.cases
+                              if c.reference is not None and not c.reference_reused}),
                          "loadavg_1m_before": load_before})
     finally:
         shutil.rmtree(work, ignore_errors=True)
