@@ -19,7 +19,7 @@ $(BIN)/preload-gate: pyproject.toml
 setup: $(BIN)/preload-gate
 
 demo: setup
-	$(BIN)/preload-gate demo
+	$(BIN)/preload-gate demo $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -n 2 --dist loadgroup tests

@@ -233,6 +233,9 @@ def _make_loader_class() -> type:
                 export_stage=stage, transport=transport_for(device_type),
             )
             if not socket_path(sdir, global_rank).exists():
+                other = self._other_rank_mismatch(sdir, global_rank, key)
+                if other is not None:
+                    raise other
                 raise _Miss("miss", f"no daemon for this digest: no socket for rank {global_rank} in {sdir} "
                             f"(content digest {digest[:16]}; start: preload-gate preload {model_config.model})",
                             fields=[] if opts.socket_dir else ["content_digest"],
@@ -279,6 +282,32 @@ def _make_loader_class() -> type:
                 return model
             finally:
                 client.close()
+
+        def _other_rank_mismatch(self, sdir: Path, global_rank: int, key: Any) -> _Miss | None:
+            """Daemons serve this digest but not this rank (say TP=2 against a
+            TP=1 daemon): ask one of them which key fields differ, so the miss
+            names the layout, not the content."""
+            from preload.client import DaemonClient
+
+            ranks = sorted(int(p.stem.removeprefix("rank")) for p in sdir.glob("rank*.sock")
+                           if p.stem.removeprefix("rank").isdigit())
+            if not ranks:
+                return None
+            try:
+                client = DaemonClient.connect(sdir, ranks[0], self.opts.connect_timeout_s,
+                                              self.opts.state_timeout_s, client=f"vllm-rank{global_rank}")
+            except (WeightCacheUnavailableError, ProtocolError):
+                return None
+            try:
+                client.get_state(key).close()
+            except CacheKeyMismatchError as exc:
+                return _Miss("miss", f"the daemon for this digest serves ranks {ranks}, not rank {global_rank}: "
+                             f"key mismatch on fields: {', '.join(exc.fields)}", exc.fields, cause=exc)
+            except (WeightCacheUnavailableError, ProtocolError):
+                return None
+            finally:
+                client.close()
+            return None
 
         def _build(self, vllm_config: Any, model_config: Any, prefix: str, state: Any) -> Any:
             from torch import nn

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from preload.errors import PreloadGateError
@@ -55,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     except PreloadGateError as exc:
         print(f"preload-gate {args.verb}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `preload-gate ... | head`: the reader left; not an error of ours.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print(f"preload-gate {args.verb}: interrupted", file=sys.stderr)
         return 130

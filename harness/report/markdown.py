@@ -53,4 +53,25 @@ def render_markdown(report: dict[str, Any]) -> str:
                 e = x["fingerprints"].get(s, {}).get("equal")
                 cells.append("?" if e is None else ("=" if e else "x"))
             lines.append(f"| {x['name']} | {'yes' if x['weights_equal'] else 'no'} | " + " | ".join(cells) + " |")
+    lines += _differing_outputs(report)
     return "\n".join(lines) + "\n"
+
+
+def _differing_outputs(report: dict[str, Any]) -> list[str]:
+    """What each engine answered where greedy tokens differ: the symptom a
+    wrong hit shows (the cached engine answers like the base model)."""
+    out: list[str] = []
+    for case in report["cases"]:
+        first = (case.get("verdict") or {}).get("first_difference")
+        if not first:
+            continue
+        p = first["prompt"]
+        ref = (case.get("reference") or {}).get("texts") or []
+        got = (case.get("cached") or {}).get("texts") or []
+        if p >= min(len(ref), len(got)):
+            continue
+        if not out:
+            out = ["", "## Where tokens differ (prompt of the first difference)", "",
+                   "| case | prompt | auto engine on the candidate | cached engine |", "|---|---|---|---|"]
+        out.append(f"| {case['name']} | {p} | `{_cell(repr(ref[p]))}` | `{_cell(repr(got[p]))}` |")
+    return out

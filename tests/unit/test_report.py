@@ -130,6 +130,18 @@ def test_markdown_lists_every_case_and_never_calls_not_run_passed():
     assert "1 passed" not in md and "2 passed, 1 blocked, 1 not run" in md
 
 
+def test_markdown_shows_what_each_engine_answered_where_tokens_differ():
+    report = sample_report()
+    assert "## Where tokens differ" not in render_markdown(report)  # control: no difference, no section
+    case = next(c for c in report["cases"] if c["name"] == "single_element")
+    case["verdict"]["first_difference"] = {"prompt": 0, "position": 0, "reference": 260, "candidate": 7042}
+    case["reference"]["texts"] = [" the capital of the city of"]
+    case["cached"]["texts"] = [" Paris.|"]
+    section = render_markdown(report).split("## Where tokens differ")[1]
+    row = next(ln for ln in section.splitlines() if ln.startswith("| single_element"))
+    assert "the capital of the city of" in row and "Paris.\\|" in row
+
+
 def test_html_is_self_contained_and_escaped():
     html = render_html(sample_report())
     assert "<script>alert(1)</script>" not in html and "&lt;script&gt;" in html
