@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from daemon_support import Daemon, short_dir
 
 pytestmark = pytest.mark.cpu
