@@ -18,9 +18,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _register_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks: anchor vs ours, side by side, as ratios")
     p.add_argument("--json", action="store_true", help="print results as JSON")
-    p.add_argument("--out", default=None, help="also write DIR/bench.json and DIR/bench.md")
-    p.add_argument("--only", default=None, help="comma-separated row names (default: all)")
-    p.add_argument("--list", action="store_true", help="list the rows and exit")
+    p.add_argument("--out", default=None, help="also write DIR/bench.json, DIR/bench.md and DIR/bench.html")
+    p.add_argument("--only", default=None,
+                   help="comma-separated row names (default: every row that fits this machine; "
+                        "rows it cannot run, e.g. GPU rows without CUDA, report 'not run')")
+    p.add_argument("--list", action="store_true", help="list the rows, their needs and which are heavy, and exit")
+    p.add_argument("--skip-heavy", action="store_true",
+                   help="with no --only: report the heavy rows (see --list) as not run instead of running them")
     p.add_argument("--size", default="2G", help="bytes for throughput rows (e.g. 2G; 64M for CI)")
     p.add_argument("--workdir", default=None, help="where rows write their scratch checkpoints")
     p.add_argument(
@@ -31,12 +35,26 @@ def _register_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from harness.bench import BenchError, BenchOptions, load_rows, markdown, parse_size, run_rows
+    from harness.bench import (
+        BenchError,
+        BenchOptions,
+        load_rows,
+        markdown,
+        missing,
+        parse_size,
+        run_rows,
+    )
+    from harness.bench.html import write_html
     from preload import _atomic
 
     if args.list:
         for row in load_rows().values():
-            print(f"{row.name:<24} {row.title}")
+            print(f"{row.name:<20} {row.title}")
+            if row.needs:
+                why = missing(row.needs)
+                print(f"{'':<20}   needs {row.needs}" + (f" (here: not run, {why})" if why else " (present)"))
+            if row.heavy:
+                print(f"{'':<20}   heavy: {row.heavy}")
         return 0
     params = {}
     for item in args.param:
@@ -50,13 +68,16 @@ def _bench(args: argparse.Namespace) -> int:
         params=params,
     )
     only = [n for n in args.only.split(",") if n] if args.only else None
-    results = run_rows(options, only)
+    if args.skip_heavy and only:
+        raise BenchError("--skip-heavy applies when no --only is given; name the rows you want instead")
+    results = run_rows(options, only, skip_heavy=args.skip_heavy)
     doc = {"results": [r.to_json() for r in results]}
     table = markdown(results)
     if args.out:
         out = Path(args.out)
         _atomic.write_json(out / "bench.json", doc)
         _atomic.write_text(out / "bench.md", table)
+        write_html(results, out / "bench.html")
     if args.json:
         print(json.dumps(doc, indent=2))
     else:

@@ -167,8 +167,12 @@ def run_engine(
     spec: EngineSpec,
     workdir: str | os.PathLike[str],
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    worker: str = "harness.engine_worker",
 ) -> EngineResult:
     """Run ``spec`` in a fresh worker process; never raises for engine failures.
+
+    ``worker`` is the module run as ``python -m WORKER SPEC OUT``; a bench
+    wraps :mod:`harness.engine_worker` to time a phase the marks do not cover.
 
     ``workdir`` receives spec.json, result.json, events.jsonl and engine.log.
     A cached engine's ``events_file`` is pointed into ``workdir`` unless the
@@ -194,7 +198,7 @@ def run_engine(
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "harness.engine_worker", str(spec_path), str(out_path)],
+            [sys.executable, "-m", worker, str(spec_path), str(out_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -7,6 +7,12 @@ and reports both figures and their ratio. Rows register themselves with
 ``@bench_row``; ``ROW_MODULES`` lists the modules that hold rows (a module
 that is not there yet is skipped; one that fails to import is an error).
 
+A row declares what it needs (``needs="cuda"``) and why it is heavy
+(``heavy="two vLLM engine starts"``): with no ``--only`` every row runs
+that fits the machine, and a row whose need is missing reports "not run:
+why" instead of failing, so one command works on a laptop and on a GPU box.
+``--list`` shows the heavy ones, so nobody starts a 15-minute row by surprise.
+
 >>> results = run_rows(BenchOptions(size_bytes=64 << 20), only=["restart_identity"])  # doctest: +SKIP
 """
 
@@ -80,27 +86,77 @@ class BenchResult:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> BenchResult:
+        """A result as bench.json recorded it (so a chart can be redrawn from a file)."""
+        try:
+            fields = {k: obj[k] for k in ("row", "title", "ratio", "ratio_meaning")}
+            fields["anchor"] = Figure(**obj["anchor"])
+            fields["ours"] = Figure(**obj["ours"])
+        except (KeyError, TypeError) as exc:
+            raise BenchError(f"bench result is malformed: {exc}") from None
+        extra = {k: obj[k] for k in ("target", "details", "notes") if k in obj}
+        return cls(**fields, **extra)
+
+    @property
+    def not_run(self) -> str | None:
+        """Why the row did not run on this machine, or None when it did."""
+        why = self.details.get("not_run")
+        return str(why) if why else None
+
 
 @dataclass(frozen=True)
 class BenchRow:
+    """A registered row; ``heavy`` says why it is costly ("" when it is not),
+    ``needs`` names hardware it cannot run without ("cuda" or "")."""
+
     name: str
     title: str
     run: Callable[[BenchOptions], list[BenchResult]]
+    heavy: str = ""
+    needs: str = ""
 
 
 ROWS: dict[str, BenchRow] = {}
 
 
-def bench_row(name: str, title: str) -> Callable[[Callable[[BenchOptions], list[BenchResult]]], Callable[[BenchOptions], list[BenchResult]]]:
-    """Register a row function; it returns one or more results."""
+_NEEDS = ("", "cuda")
+RowFn = Callable[[BenchOptions], list[BenchResult]]
 
-    def deco(fn: Callable[[BenchOptions], list[BenchResult]]) -> Callable[[BenchOptions], list[BenchResult]]:
+
+def bench_row(name: str, title: str, *, heavy: str = "", needs: str = "") -> Callable[[RowFn], RowFn]:
+    """Register a row function; it returns one or more results."""
+    if needs not in _NEEDS:
+        raise BenchError(f"benchmark row {name!r} needs {needs!r}; known needs: {_NEEDS[1:]}")
+
+    def deco(fn: RowFn) -> RowFn:
         if name in ROWS:
             raise BenchError(f"benchmark row {name!r} is registered twice")
-        ROWS[name] = BenchRow(name, title, fn)
+        ROWS[name] = BenchRow(name, title, fn, heavy=heavy, needs=needs)
         return fn
 
     return deco
+
+
+def missing(needs: str) -> str | None:
+    """Why this machine cannot run a row that ``needs`` something, or None."""
+    if needs != "cuda":
+        return None
+    try:
+        import torch
+    except ImportError:
+        return "no CUDA (torch is not installed)"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    return None
+
+
+def not_run(row: str, title: str, why: str) -> BenchResult:
+    """The result of a row this machine cannot run: says so, claims nothing."""
+    return BenchResult(
+        row=row, title=title, anchor=Figure("not run", 0.0, ""), ours=Figure("not run", 0.0, ""),
+        ratio=None, ratio_meaning="", notes=f"not run: {why}", details={"not_run": why},
+    )
 
 
 def load_rows() -> dict[str, BenchRow]:
@@ -113,7 +169,12 @@ def load_rows() -> dict[str, BenchRow]:
     return ROWS
 
 
-def run_rows(options: BenchOptions, only: Iterable[str] | None = None) -> list[BenchResult]:
+def run_rows(
+    options: BenchOptions, only: Iterable[str] | None = None, *, skip_heavy: bool = False
+) -> list[BenchResult]:
+    """Run ``only`` (default: every row). A row whose ``needs`` this machine
+    lacks is reported as not run, named or not; ``skip_heavy`` reports the
+    heavy rows as not run too (only when no row is named)."""
     rows = load_rows()
     names = list(only) if only else list(rows)
     unknown = [n for n in names if n not in rows]
@@ -121,7 +182,14 @@ def run_rows(options: BenchOptions, only: Iterable[str] | None = None) -> list[B
         raise BenchError(f"unknown benchmark rows {unknown}; known: {', '.join(rows)}")
     results: list[BenchResult] = []
     for n in names:
-        results.extend(rows[n].run(options))
+        row = rows[n]
+        why = missing(row.needs)
+        if why is None and skip_heavy and not only and row.heavy:
+            why = f"heavy ({row.heavy}); skipped by --skip-heavy"
+        if why is not None:
+            results.append(not_run(row.name, row.title, why))
+            continue
+        results.extend(row.run(options))
     return results
 
 
@@ -132,6 +200,9 @@ def markdown(results: list[BenchResult]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in results:
+        if r.not_run:
+            lines.append(f"| {r.title} | not run | not run | n/a | {r.target} | {r.notes} |")
+            continue
         ratio = "n/a" if r.ratio is None else f"{r.ratio:.2f}x ({r.ratio_meaning})"
         lines.append(
             f"| {r.title} | {r.anchor.label}: {r.anchor.text()} | {r.ours.label}: {r.ours.text()} "

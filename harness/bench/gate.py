@@ -17,7 +17,8 @@ from pathlib import Path
 from harness.bench import BenchOptions, BenchResult, Figure, bench_row
 
 
-@bench_row("gate_selftest", "gate self-test on the tiny fixture: cold vs auto cache warm")
+@bench_row("gate_selftest", "gate self-test on the tiny fixture: cold vs auto cache warm",
+           heavy="the full self-test twice: dozens of vLLM engine runs, up to 30 min on 2 cores")
 def gate_selftest(options: BenchOptions) -> list[BenchResult]:
     from fixtures.tiny import write_tiny
     from harness.gate import GateOptions, run_gate

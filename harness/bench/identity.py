@@ -3,8 +3,11 @@
 ``restart_identity``: a many-shard checkpoint (66 shards by default) behind
 ``RemoteFS``, which charges a fixed latency per open, per read and (unless
 ``stat_latency_ms`` says otherwise) per stat and directory listing. Every
-scheme runs against the same files in the same process; opens, reads, stats
-and wall time are what the shim observed.
+scheme runs against the same files in the same process, twice: with the
+remote latency (``latency_ms``, default 50) and with none (0 ms, local page
+cache), so one run shows both; opens, reads, stats and wall time are what
+the shim observed. content/stat opens no shard and content/pinned does no
+I/O in either variant; the table shows the counts beside the walls.
 
 ``promote_throughput``: ``preload.identity.digest.hash_shards`` against
 sequential ``sha256sum`` (coreutils, one process over all shards) on the
@@ -79,9 +82,9 @@ def _stream_shard(path: Path, names: list[str], per_tensor: int, rng: np.random.
         for _ in names:
             left = per_tensor
             while left:
-                n = min(left, 64 << 20)
-                f.write(rng.bytes(n))
-                left -= n
+                chunk = min(left, 64 << 20)
+                f.write(rng.bytes(chunk))
+                left -= chunk
     os.replace(tmp, path)
 
 
@@ -108,14 +111,43 @@ def _measure(fs_root: Path, latency_s: float, stat_latency_s: float, fn: Callabl
     return fs.counts, wall
 
 
-@bench_row("restart_identity", "restart identity cost, many shards on a remote filesystem")
+def _latencies(options: BenchOptions) -> list[tuple[float, float]]:
+    """(open/read ms, stat/listing ms) per variant: the remote one, then local.
+
+    ``latency_ms`` (default 50) is the remote variant; a 0 ms variant is
+    always measured beside it, so one run shows what the latency costs each
+    scheme and that ours does the same (zero) opens either way.
+    """
+    try:
+        remote = float(options.param("latency_ms", "50"))
+        stat = float(options.param("stat_latency_ms", str(remote)))
+    except ValueError as exc:
+        raise BenchError(f"restart_identity: bad latency parameter ({exc})") from None
+    if remote < 0 or stat < 0:
+        raise BenchError("restart_identity: latency_ms and stat_latency_ms must be >= 0")
+    variants = [(remote, stat)]
+    if (remote, stat) != (0.0, 0.0):
+        variants.append((0.0, 0.0))
+    return variants
+
+
+# (anchor, ours) pairs reported per latency variant.
+_PAIRS = (
+    ("header_only", "content/stat"),
+    ("sampled_1k", "content/stat"),
+    ("path_stat", "content/stat"),
+    ("header_only", "content/pinned"),
+)
+
+
+@bench_row("restart_identity", "restart identity cost, many shards, with and without remote-storage latency")
 def restart_identity(options: BenchOptions) -> list[BenchResult]:
     shards = int(options.param("shards", "66"))
     shard_bytes = int(float(options.param("shard_mb", "4")) * (1 << 20))
-    latency_ms = float(options.param("latency_ms", "50"))
-    stat_latency_ms = float(options.param("stat_latency_ms", str(latency_ms)))
+    variants = _latencies(options)
     impl = options.param("header_impl", "auto")
     work = _scratch(options, "pg-bench-restart-")
+    measured: dict[tuple[float, str], tuple[IOCounts, float]] = {}
     try:
         ckpt = work / "ckpt"
         write_synthetic(ckpt, shards, shard_bytes)
@@ -131,46 +163,46 @@ def restart_identity(options: BenchOptions) -> list[BenchResult]:
             "content/pinned": lambda: anchors.content(ckpt, "pinned", expected_digest=promo.digest),
             "content/full": lambda: anchors.content(ckpt, "full"),
         }
-        measured = {}
-        for name, fn in schemes.items():
-            _progress(f"restart_identity: {name}")
-            measured[name] = _measure(ckpt, latency_ms / 1000, stat_latency_ms / 1000, fn)
+        # Same files, same process, variants back to back.
+        for latency_ms, stat_ms in variants:
+            for name, fn in schemes.items():
+                _progress(f"restart_identity: {name} at {latency_ms:g} ms")
+                measured[(latency_ms, name)] = _measure(ckpt, latency_ms / 1000, stat_ms / 1000, fn)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     table = [
-        {"scheme": name, **counts.to_json(), "wall_s": round(wall, 6)}
-        for name, (counts, wall) in measured.items()
+        {"latency_ms": lat, "stat_latency_ms": stat, "scheme": name, **counts.to_json(), "wall_s": round(wall, 6)}
+        for lat, stat in variants
+        for name in schemes
+        for counts, wall in [measured[(lat, name)]]
     ]
-    charged = f"opens and reads {latency_ms:g} ms each; stats and listings {stat_latency_ms:g} ms each"
     details = {
         "shards": shards,
         "shard_bytes": shard_bytes,
-        "latency_ms": latency_ms,
-        "stat_latency_ms": stat_latency_ms,
+        "latency_ms": [lat for lat, _ in variants],
+        "stat_latency_ms": [stat for _, stat in variants],
         "header_only_implementation": header_impl,
         "table": table,
     }
     results = []
-    for anchor, ours in (
-        ("header_only", "content/stat"),
-        ("sampled_1k", "content/stat"),
-        ("path_stat", "content/stat"),
-        ("header_only", "content/pinned"),
-    ):
-        (ac, aw), (oc, ow) = measured[anchor], measured[ours]
-        results.append(
-            BenchResult(
-                row="restart_identity",
-                title=f"restart identity, {shards} shards, remote fs ({anchor} vs {ours})",
-                anchor=Figure(f"{anchor} ({ac.opens} opens, {ac.reads} reads, {ac.stats} stats)", aw, "s"),
-                ours=Figure(f"{ours} ({oc.opens} opens, {oc.reads} reads, {oc.stats} stats)", ow, "s"),
-                ratio=(aw / ow) if oc.touched else None,
-                ratio_meaning="anchor wall / ours wall",
-                target="content/stat opens no shard; content/pinned touches nothing",
-                details=details,
-                notes=charged + ("; ours does no checkpoint I/O at all, so no ratio" if not oc.touched else ""),
+    for latency_ms, stat_ms in variants:
+        where = f"{latency_ms:g} ms remote fs" if latency_ms or stat_ms else "local fs (0 ms)"
+        charged = f"opens and reads {latency_ms:g} ms each; stats and listings {stat_ms:g} ms each"
+        for anchor, ours in _PAIRS:
+            (ac, aw), (oc, ow) = measured[(latency_ms, anchor)], measured[(latency_ms, ours)]
+            results.append(
+                BenchResult(
+                    row="restart_identity",
+                    title=f"restart identity, {shards} shards, {where} ({anchor} vs {ours})",
+                    anchor=Figure(f"{anchor} ({ac.opens} opens, {ac.reads} reads, {ac.stats} stats)", aw, "s"),
+                    ours=Figure(f"{ours} ({oc.opens} opens, {oc.reads} reads, {oc.stats} stats)", ow, "s"),
+                    ratio=(aw / ow) if oc.touched and ow > 0 else None,
+                    ratio_meaning="anchor wall / ours wall",
+                    target="content/stat opens no shard; content/pinned touches nothing",
+                    details={**details, "variant_latency_ms": latency_ms, "variant_stat_latency_ms": stat_ms},
+                    notes=charged + ("; ours does no checkpoint I/O at all, so no ratio" if not oc.touched else ""),
+                )
             )
-        )
     return results
 
 
@@ -202,7 +234,8 @@ def _warm(paths: list[Path]) -> None:
                 pass
 
 
-@bench_row("promote_throughput", "promotion hashing vs sequential sha256sum (page cache warm)")
+@bench_row("promote_throughput", "promotion hashing vs sequential sha256sum (page cache warm)",
+           heavy="writes and hashes --size bytes (2 GiB by default) three times")
 def promote_throughput(options: BenchOptions) -> list[BenchResult]:
     size = options.size_bytes
     shards = int(options.param("hash_shards", "8"))

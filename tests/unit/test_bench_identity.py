@@ -93,6 +93,34 @@ def test_restart_row_runs_small(tmp_path):
     md = markdown(results)
     assert "header_only" in md and "content/stat" in md
     assert not list(tmp_path.iterdir()), "scratch checkpoints are removed"
+    assert len(results) == 4, "latency_ms=0 is the local variant alone"
+
+
+def test_restart_row_measures_with_and_without_latency(tmp_path):
+    """One run, both variants side by side, same files; the zero-I/O properties hold in each."""
+    opts = BenchOptions(workdir=tmp_path, params={"shards": "4", "shard_mb": "0.05", "latency_ms": "2",
+                                                       "header_impl": "reimpl"})
+    results = run_rows(opts, ["restart_identity"])
+    assert len(results) == 8
+    rows = results[0].details["table"]
+    assert [r["latency_ms"] for r in rows] == [2.0] * 7 + [0.0] * 7
+    for latency in (2.0, 0.0):
+        t = {r["scheme"]: r for r in rows if r["latency_ms"] == latency}
+        assert t["content/stat"]["opens"] == 0 and t["content/stat"]["stats"] >= 4
+        assert t["content/pinned"]["opens"] + t["content/pinned"]["stats"] + t["content/pinned"]["reads"] == 0
+        assert t["header_only"]["opens"] >= 4, "control: the anchor's opens are counted in both variants"
+        if latency:  # the shim charged the remote variant per access (a lower bound, not a timing claim)
+            h = t["header_only"]
+            assert h["wall_s"] >= 0.002 * (h["opens"] + h["reads"])
+    titles = [r.title for r in results]
+    assert sum("2 ms remote fs" in t for t in titles) == 4 and sum("local fs (0 ms)" in t for t in titles) == 4
+    pinned = [r for r in results if r.ours.label.startswith("content/pinned")]
+    assert len(pinned) == 2 and all(r.ratio is None for r in pinned)
+
+
+def test_restart_row_bad_latency(tmp_path):
+    with pytest.raises(BenchError, match="latency"):
+        run_rows(BenchOptions(workdir=tmp_path, params={"latency_ms": "-1"}), ["restart_identity"])
 
 
 def test_throughput_row_runs_small(tmp_path):
@@ -111,6 +139,8 @@ def test_bench_verb_writes_json_and_markdown(tmp_path, capsys):
     assert doc["results"][0]["row"] == "restart_identity"
     assert json.loads((tmp_path / "out" / "bench.json").read_text()) == doc
     assert (tmp_path / "out" / "bench.md").read_text().startswith("| row |")
+    page = (tmp_path / "out" / "bench.html").read_text()
+    assert page.count("<svg") == len(doc["results"]) and "restart identity" in page
 
 
 def test_bench_bad_input(capsys):
