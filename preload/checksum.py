@@ -37,7 +37,8 @@ The index ``k`` counts from each tensor's start, so a checksum belongs to
 the tensor's bytes, not to where the arena placed them.
 
 On CUDA with Triton, one kernel launch covers the whole arena (one program
-per 4096-word block of a tensor, lanes summed with 32-bit atomics). The
+per tile of a few 4096-word blocks of a tensor, lanes summed with 32-bit
+atomics; see ``preload._checksum_kernel``). The
 torch fallback computes the same numbers tensor by tensor, and is what runs
 on CPU and in CI.
 """
@@ -187,8 +188,50 @@ def _triton_kernel() -> Any:
 
 
 @dataclass(frozen=True)
+class KernelShape:
+    """How the kernel cuts the work: ``tile`` words of ``iters`` blocks per program.
+
+    Any shape gives the same lanes (the unit and GPU tests check several);
+    it only changes the speed. Defaults tuned on an H200
+    (``scripts/checksum_sweep.py``, figures in docs/gpu-results.json);
+    ``PRELOAD_GATE_CHECKSUM_KERNEL=TILE,ITERS,WARPS`` overrides them, for
+    tuning on another GPU.
+    """
+
+    tile: int = 4096
+    iters: int = 4
+    warps: int = 8
+
+    def __post_init__(self) -> None:
+        if self.tile not in (256, 512, 1024, 2048, 4096):
+            raise ChecksumSettingsError(f"checksum kernel tile {self.tile} is not a power of two in 256..4096")
+        if not 1 <= self.iters <= 64 or self.warps not in (1, 2, 4, 8, 16, 32):
+            raise ChecksumSettingsError(
+                f"checksum kernel iters {self.iters} (1..64) or warps {self.warps} (a power of two <= 32) out of range"
+            )
+
+    @classmethod
+    def from_env(cls) -> KernelShape:
+        raw = os.environ.get(SHAPE_ENV, "").strip()
+        if not raw:
+            return cls()
+        try:
+            tile, iters, warps = (int(v) for v in raw.split(","))
+        except ValueError:
+            raise ChecksumSettingsError(f"{SHAPE_ENV}={raw!r} is not TILE,ITERS,WARPS (three integers)") from None
+        return cls(tile, iters, warps)
+
+
+class ChecksumSettingsError(PreloadGateError):
+    """A checksum kernel setting that cannot work."""
+
+
+SHAPE_ENV = "PRELOAD_GATE_CHECKSUM_KERNEL"
+
+
+@dataclass(frozen=True)
 class _Plan:
-    """Per-layout program tables on one device."""
+    """Per-layout program tables on one device (built once per layout and shape)."""
 
     seg_of_prog: torch.Tensor
     seg_prog0: torch.Tensor
@@ -197,35 +240,73 @@ class _Plan:
     programs: int
 
 
-# Tuned on an H200 (docs/gpu-results.json: the sweep in the gpu_checksum row).
-KERNEL_ITERS = 4
-KERNEL_WARPS = 4
+@dataclass(frozen=True)
+class _LayoutFacts:
+    """What ``arena_base`` and result formatting need from a layout, as arrays."""
+
+    names: tuple[str, ...]
+    offsets: np.ndarray  # int64, bytes from the arena's start
+    nbytes: np.ndarray  # int64
+    aligned: bool  # every entry 256-byte aligned (the kernel's vector loads need it)
 
 
-def _plan(layout: Layout, device: torch.device, iters: int) -> _Plan:
-    per_prog = 4 * BLOCK_WORDS * iters
-    progs = np.array([-(-e.nbytes // per_prog) for e in layout.entries], dtype=np.int64)
+_CACHE_SIZE = 8
+_facts: dict[int, tuple[Layout, _LayoutFacts]] = {}
+_plans: dict[tuple[int, torch.device, int, int], tuple[Layout, _Plan]] = {}
+
+
+def _remember(cache: dict[Any, Any], key: Any, value: Any) -> None:
+    if len(cache) >= _CACHE_SIZE:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+
+
+def _layout_facts(layout: Layout) -> _LayoutFacts:
+    """Cached per layout object: a verify loop over the same layout pays once.
+
+    Keyed by identity (hashing a 320-entry layout costs more than the
+    lookup saves); the cache holds the layout, so its id cannot be reused.
+    """
+    hit = _facts.get(id(layout))
+    if hit is not None and hit[0] is layout:
+        return hit[1]
+    entries = layout.entries
+    offsets = np.fromiter((e.offset for e in entries), dtype=np.int64, count=len(entries))
+    nbytes = np.fromiter((e.nbytes for e in entries), dtype=np.int64, count=len(entries))
+    facts = _LayoutFacts(tuple(e.name for e in entries), offsets, nbytes, not bool((offsets % 256).any()))
+    _remember(_facts, id(layout), (layout, facts))
+    return facts
+
+
+def _plan(layout: Layout, device: torch.device, tile: int, iters: int) -> _Plan:
+    """Which tensor each program works on, and where that tensor starts."""
+    key = (id(layout), device, tile, iters)
+    hit = _plans.get(key)
+    if hit is not None and hit[0] is layout:
+        return hit[1]
+    facts = _layout_facts(layout)
+    blocks = -(-facts.nbytes // (4 * BLOCK_WORDS))
+    progs = -(-blocks // iters) * (BLOCK_WORDS // tile)
     prog0 = np.zeros(len(progs), dtype=np.int64)
     if len(progs):
         prog0[1:] = np.cumsum(progs)[:-1]
-    # One host-to-device copy for all four small tables.
-    table = np.stack([
-        progs, prog0,
-        np.array([e.offset // 4 for e in layout.entries], dtype=np.int64),
-        np.array([e.nbytes for e in layout.entries], dtype=np.int64),
-    ]) if len(progs) else np.zeros((4, 0), dtype=np.int64)
-    dev = torch.from_numpy(table).to(device)
     programs = int(progs.sum())
-    seg_ids = torch.arange(len(progs), dtype=torch.int32, device=device)
-    return _Plan(
-        seg_of_prog=torch.repeat_interleave(seg_ids, dev[0], output_size=programs),
-        seg_prog0=dev[1].contiguous(), seg_word0=dev[2].contiguous(), seg_nbytes=dev[3].contiguous(),
-        programs=programs,
+    # One small host-to-device copy; the per-program table is expanded on the
+    # device (output_size given, so no synchronisation to learn its length).
+    dev = torch.from_numpy(np.concatenate([progs, prog0, facts.offsets // 4, facts.nbytes])).to(device)
+    n = len(progs)
+    seg_ids = torch.arange(n, dtype=torch.int32, device=device)
+    plan = _Plan(
+        seg_of_prog=torch.repeat_interleave(seg_ids, dev[:n], output_size=programs),
+        seg_prog0=dev[n : 2 * n], seg_word0=dev[2 * n : 3 * n], seg_nbytes=dev[3 * n :], programs=programs,
     )
+    _remember(_plans, key, (layout, plan))
+    return plan
 
 
 def _lanes_triton(
-    base: torch.Tensor, layout: Layout, iters: int | None = None, warps: int | None = None
+    base: torch.Tensor, layout: Layout, iters: int | None = None, warps: int | None = None,
+    tile: int | None = None,
 ) -> torch.Tensor | None:
     """All tensors' lanes in one launch, as an int32 ``[n, 3]`` device tensor."""
     kernel = _triton_kernel()
@@ -233,51 +314,76 @@ def _lanes_triton(
     if kernel is None or (base.device.type != "cuda" and not interpret):
         return None
     # The kernel's vector loads assume 256-byte aligned tensors (Layout.plan's ALIGN).
-    if any(e.offset % 256 for e in layout.entries) or base.numel() % 4 or base.data_ptr() % 16:
+    if not _layout_facts(layout).aligned or base.numel() % 4 or base.data_ptr() % 16:
         return None
-    iters = iters or KERNEL_ITERS
-    plan = _plan(layout, base.device, iters)
+    default = KernelShape.from_env()
+    shape = KernelShape(tile or default.tile, iters or default.iters, warps or default.warps)
+    plan = _plan(layout, base.device, shape.tile, shape.iters)
     out = torch.zeros((len(layout.entries), 3), dtype=torch.int32, device=base.device)
     if plan.programs:
         ta, tb = _device_tables(base.device, torch.int32)
         kernel[(plan.programs,)](
             base.view(torch.int32), plan.seg_of_prog, plan.seg_prog0, plan.seg_word0,
-            plan.seg_nbytes, ta, tb, out, BLOCK=BLOCK_WORDS, ITERS=iters,
-            num_warps=warps or KERNEL_WARPS,
+            plan.seg_nbytes, ta, tb, out, TILE=shape.tile, ITERS=shape.iters, num_warps=shape.warps,
         )
     return out
 
 
+def _hex_rows(lanes: torch.Tensor) -> list[str]:
+    """``[n, 3]`` int32 lanes -> n strings of 24 hex digits, like ``Checksum.hex``.
+
+    One device-to-host copy and one ``bytes.hex`` (big-endian words print
+    as their own hex digits) instead of a Python loop over every lane.
+    """
+    digits = lanes.cpu().numpy().astype(">u4").tobytes().hex()
+    return [digits[i : i + 24] for i in range(0, len(digits), 24)]
+
+
 # ---------------------------------------------------------------- public face
+
+
+def _storage_base(first: torch.Tensor, layout: Layout) -> torch.Tensor | None:
+    """The flat uint8 view of ``first``'s storage over the layout's bytes, if it is that large."""
+    storage = first.untyped_storage()
+    if storage.nbytes() < layout.total_bytes:
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, 0, (layout.total_bytes,), (1,))
+
+
+def _views_of(base: torch.Tensor, views: list[torch.Tensor], facts: _LayoutFacts) -> bool:
+    """Is every tensor its layout entry's bytes of ``base``?
+
+    Same address and size, contiguous, same device means the entry's bytes
+    are the tensor's bytes (cheaper than asking each tensor for its storage
+    object); compared as arrays, so a 320-tensor rank costs four list passes.
+    """
+    n = len(views)
+    ptrs = np.fromiter((t.data_ptr() for t in views), dtype=np.int64, count=n)
+    sizes = np.fromiter((t.nbytes for t in views), dtype=np.int64, count=n)
+    devices = np.fromiter((t.get_device() for t in views), dtype=np.int64, count=n)
+    contiguous = np.fromiter((t.is_contiguous() for t in views), dtype=bool, count=n)
+    ok = (ptrs - base.data_ptr() == facts.offsets) & (sizes == facts.nbytes) & contiguous
+    used = facts.nbytes > 0  # an empty tensor's address means nothing
+    return bool(ok[used].all()) and bool((devices == base.get_device()).all())
 
 
 def arena_base(tensors: Mapping[str, torch.Tensor], layout: Layout) -> torch.Tensor | None:
     """The flat uint8 arena the tensors are views of, or None if they are not.
 
     Works for any transport whose views share one storage starting at the
-    arena's first byte (shm and cuda arenas both do); checked, not assumed.
+    arena's first byte (shm and cuda arenas both do); checked, not assumed:
+    every non-empty tensor must start at its entry's offset, span its
+    entry's bytes, be contiguous and sit on the arena's device.
     """
     if not layout.entries:
         return None
-    first = tensors.get(layout.entries[0].name)
-    if first is None:
+    facts = _layout_facts(layout)
+    try:
+        views = [tensors[n] for n in facts.names]
+    except KeyError:
         return None
-    storage = first.untyped_storage()
-    if storage.nbytes() < layout.total_bytes:
-        return None
-    base = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, 0, (layout.total_bytes,), (1,))
-    origin = base.data_ptr()
-    for e in layout.entries:
-        t = tensors.get(e.name)
-        # Same address and size means the entry's bytes are the tensor's bytes
-        # (cheaper than asking each tensor for its storage object).
-        if t is None or t.device != base.device:
-            return None
-        if e.nbytes and (
-            t.data_ptr() - origin != e.offset or t.numel() * t.element_size() != e.nbytes or not t.is_contiguous()
-        ):
-            return None
-    return base
+    base = _storage_base(views[0], layout)
+    return base if base is not None and _views_of(base, views, facts) else None
 
 
 def checksum_tensors(
@@ -288,22 +394,31 @@ def checksum_tensors(
     ``backend``: ``auto`` (one Triton launch over the arena on CUDA, else
     torch), ``triton`` (fail if unusable) or ``torch`` (the reference).
 
+    On the Triton path the kernel is launched over the first tensor's
+    storage *before* the host checks that every tensor is its entry's view
+    of that storage (``arena_base``'s check): the check then runs while the
+    GPU reads, instead of before it. The kernel only reads bytes inside that
+    storage, and a failed check discards its result for the per-tensor path,
+    so the answer is the same as checking first.
+
     >>> sums = checksum_tensors(arena.views(), arena.layout)   # doctest: +SKIP
     """
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"unknown checksum backend {backend!r}")
-    missing = [e.name for e in layout.entries if e.name not in tensors]
-    if missing:
-        raise ValueError(f"no tensor for layout entries {missing[:5]}")
+    facts = _layout_facts(layout)
+    try:
+        views = [tensors[n] for n in facts.names]
+    except KeyError:
+        missing = [n for n in facts.names if n not in tensors]
+        raise ValueError(f"no tensor for layout entries {missing[:5]}") from None
     if backend != "torch":
-        base = arena_base(tensors, layout)
+        base = _storage_base(views[0], layout) if views else None
         lanes = _lanes_triton(base, layout) if base is not None else None
-        if lanes is not None:
-            rows = lanes.cpu().tolist()
-            return {e.name: Checksum.from_lanes(r).hex() for e, r in zip(layout.entries, rows, strict=True)}
+        if base is not None and lanes is not None and _views_of(base, views, facts):
+            return dict(zip(facts.names, _hex_rows(lanes), strict=True))
         if backend == "triton":
             raise RuntimeError("the triton checksum needs CUDA, Triton and one shared arena")
-    return {e.name: tensor_checksum(tensors[e.name]) for e in layout.entries}
+    return {e.name: tensor_checksum(t) for e, t in zip(layout.entries, views, strict=True)}
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ print(json.dumps({"python": platform.python_version(), "torch": torch.__version_
 PY
 
 timeout 330 $PY -m pytest -q -p no:cacheprovider -o addopts="" -rs --durations=15 \
-    tests/gpu tests/unit/test_checksum.py tests/unit/test_cuda_descriptor.py 2>&1 | tee "$OUT/pytest.log" || status=1
+    tests/gpu tests/unit/test_checksum.py tests/unit/test_checksum_shapes.py tests/unit/test_cuda_descriptor.py 2>&1 | tee "$OUT/pytest.log" || status=1
 
 timeout 240 $PY -m preload_gate bench --only gpu_checksum,gpu_attach,gpu_daemon_attach --size "$SIZE" \
     --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" || status=1

@@ -10,8 +10,12 @@ Rows (each needs a CUDA device; without one a row reports "not run"):
   from the JSON descriptor to usable views. The same run times
   ``verify_resident`` over the attached arena.
 - ``gpu_checksum``: resident checksum throughput over an arena of
-  ``--size`` bytes: the one-launch Triton kernel against the torch
-  reference implementation of the same checksum, on the same bytes.
+  ``--size`` bytes: the whole ``checksum_tensors`` call (the row's figure,
+  plan cached for the layout object), the same with a new layout object
+  per call, and the kernel alone, against a naive torch sum of the same
+  bytes; the torch reference path of the same checksum must agree. The
+  kernel's shape is the code's default (``scripts/checksum_sweep.py``
+  tunes it).
 - ``gpu_daemon_attach``: end to end through a real daemon (``preload-gate
   preload --stage raw --transport cuda``) holding a synthetic checkpoint of
   ``--size`` bytes: connect, hello, get_state, attach, verify_resident,
