@@ -85,3 +85,64 @@ def plan_local_ranks(p: Parallelism) -> list[Placement]:
         pp_rank, tp_rank = divmod(rank_in_dp, p.tp_size)
         out.append(Placement(local_rank, g, dp_rank, pp_rank, tp_rank))
     return out
+
+
+# --- which daemon an engine process attaches: found by GPU UUID, never by index ---
+
+
+def visible_uuids(cuda_visible_devices: str | None, physical: list[str]) -> list[str]:
+    """The GPUs a process sees, in its own index order, given
+    ``CUDA_VISIBLE_DEVICES`` and the host's GPUs (UUIDs in physical order).
+
+    Entries are indices or (prefixes of) UUIDs, as CUDA reads them; CUDA
+    stops at the first entry it cannot resolve. Used to reason about (and
+    test) renumbered devices; a live process asks torch for its UUIDs.
+
+    >>> visible_uuids("1,0", ["GPU-a", "GPU-b"])
+    ['GPU-b', 'GPU-a']
+    """
+    if cuda_visible_devices is None:
+        return list(physical)
+    out: list[str] = []
+    for raw in cuda_visible_devices.split(","):
+        item = raw.strip()
+        if item.isdigit():
+            idx = int(item)
+            if idx >= len(physical):
+                break
+            found = physical[idx]
+        else:
+            want = item if item.startswith("GPU-") else f"GPU-{item}"
+            hits = [u for u in physical if u.startswith(want)] if item else []
+            if len(hits) != 1:
+                break
+            found = hits[0]
+        if found in out:
+            break
+        out.append(found)
+    return out
+
+
+def rank_on_gpu(
+    daemon_uuids: dict[int, str | None], own_uuid: str, tp_size: int = 1, tp_rank: int = 0
+) -> int | None:
+    """The global rank of the daemon that holds this engine rank's weights on
+    the engine's own GPU: same physical GPU (UUID) and same TP rank
+    (``global % tp_size``); None if no daemon lives on that GPU.
+
+    ``daemon_uuids`` maps each serving global rank to the UUID of its GPU
+    (None for a daemon not on a GPU). Two daemons of the same TP rank on one
+    GPU are ambiguous and refused.
+
+    >>> rank_on_gpu({0: "GPU-a", 1: "GPU-b"}, "GPU-b")
+    1
+    """
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise PlacementError(f"tensor-parallel rank {tp_rank} of size {tp_size} is not a valid rank")
+    hits = sorted(g for g, u in daemon_uuids.items() if u == own_uuid and g % tp_size == tp_rank)
+    if len(hits) > 1:
+        raise PlacementError(
+            f"daemons of global ranks {hits} all serve tensor-parallel rank {tp_rank} on {own_uuid}; "
+            "stop all but one"
+        )
+    return hits[0] if hits else None

@@ -89,7 +89,9 @@ def _fill(cfg: RankConfig, expected: str | None) -> Filled:
     if cfg.stage == "raw":
         from preload.daemon.raw import fill_raw
 
-        return fill_raw(cfg.checkpoint, transport, expected, manifest)
+        # -tp N: each rank holds only its slices (preload.daemon.tp_slice).
+        return fill_raw(cfg.checkpoint, transport, expected, manifest,
+                        int(cfg.engine.get("tp_size", 1)), cfg.tp_rank)
     if cfg.stage in ("loaded", "processed"):
         from preload.daemon.loaded import fill_model
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from preload.checksum import resident_checksums
 from preload.daemon.proof import ProvenShard, check_digest, torch_dtype
 from preload.daemon.stage import Filled
+from preload.daemon.tp_slice import plan_slices, read_slice
 from preload.errors import CheckpointError
 from preload.identity.key import WeightCacheKey
 from preload.identity.manifest import Manifest, config_digest
@@ -23,8 +24,11 @@ from preload.identity.shards import shard_paths
 from preload.transports.base import Layout, Transport
 
 
-def raw_key(checkpoint: str | os.PathLike[str], digest: str, transport: str) -> WeightCacheKey:
-    """The key of a raw-stage rank; a raw consumer builds the same one."""
+def raw_key(
+    checkpoint: str | os.PathLike[str], digest: str, transport: str, tp_size: int = 1, tp_rank: int = 0
+) -> WeightCacheKey:
+    """The key of a raw-stage rank; a raw consumer builds the same one.
+    With ``tp_size > 1`` the rank holds only its slices (preload.daemon.tp_slice)."""
     arch = ""
     cfg = Path(checkpoint) / "config.json"
     if cfg.is_file():
@@ -39,6 +43,8 @@ def raw_key(checkpoint: str | os.PathLike[str], digest: str, transport: str) -> 
         architecture=arch,
         export_stage="raw",
         transport=transport,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
     )
 
 
@@ -47,6 +53,8 @@ def fill_raw(
     transport: Transport,
     expected_digest: str | None,
     manifest: Manifest | None = None,
+    tp_size: int = 1,
+    tp_rank: int = 0,
 ) -> Filled:
     """Read, hash and place every tensor; DigestMismatchError (and nothing
     kept) when the bytes do not hash to ``expected_digest``."""
@@ -63,6 +71,8 @@ def fill_raw(
                     raise CheckpointError(f"tensor {t.name!r} also appears in {seen[t.name]}", sh.name)
                 seen[t.name] = sh.name
                 specs.append((t.name, torch_dtype(t, sh.name), t.shape, "param"))
+        slices = plan_slices(checkpoint, [(n, shape) for n, _, shape, _ in specs], tp_size, tp_rank)
+        specs = [(n, d, slices[n].local_shape(shape, tp_size, tp_rank), k) for n, d, shape, k in specs]
         layout = Layout.plan(specs)
         arena = transport.create(layout)
     except BaseException:
@@ -74,7 +84,7 @@ def fill_raw(
         digests = {}
         for sh in shards:
             for t in sh.tensors:
-                sh.read_into(t, views[t.name])
+                read_slice(sh, t, views[t.name], slices[t.name], tp_size, tp_rank)
             digests[sh.name] = sh.finish()
         checksums = resident_checksums(arena, views)
         del views
@@ -88,7 +98,7 @@ def fill_raw(
     return Filled(
         arena=arena,
         layout=layout,
-        key=raw_key(checkpoint, digest, transport.name),
+        key=raw_key(checkpoint, digest, transport.name, tp_size, tp_rank),
         digest=digest,
         stage="raw",
         shard_digests=digests,
