@@ -32,6 +32,16 @@ def decode(model: Any, prompts: list[list[int]], new: int, device: torch.device)
     return outs, logits
 
 
+def say(spec: dict[str, Any], out: dict[str, Any]) -> None:
+    """The rank's result: a file per rank when ``result_dir`` is given (two
+    ranks printing at once can interleave), else one stdout line."""
+    line = json.dumps(out)
+    if spec.get("result_dir"):
+        with open(os.path.join(spec["result_dir"], f"rank{out['rank']}.json"), "w", encoding="utf-8") as f:
+            f.write(line)
+    print(line, flush=True)
+
+
 def local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
@@ -60,7 +70,7 @@ def main() -> int:
         )
     except Exception as exc:  # reported: the test asserts on it
         out.update(event="error", type=type(exc).__name__, error=str(exc))
-        print(json.dumps(out), flush=True)
+        say(spec, out)
         dist.destroy_process_group()
         return 1
     out["attach_s"] = time.perf_counter() - t0
@@ -100,7 +110,7 @@ def main() -> int:
         out["logits_equal"] = bool(torch.equal(ref_logits, our_logits))
     out["event"] = "result"
     attached.close()
-    print(json.dumps(out), flush=True)
+    say(spec, out)
     dist.destroy_process_group()
     return 0
 
