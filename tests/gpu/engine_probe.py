@@ -145,13 +145,66 @@ def hf(spec: dict[str, Any]) -> dict[str, Any]:
     tied = emb.data_ptr() == head.data_ptr()
     ref_model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=emb.dtype).to("cuda").eval()
     ref, ref_logits = decode(ref_model)
+    from preload.transports.cuda import device_uuid
+
     result = {
+        "global_rank": attached.global_rank, "own_uuid": device_uuid(0),
+        "visible": [device_uuid(i) for i in range(torch.cuda.device_count())],
         "ours": ours, "reference": ref, "tokens_equal": ours == ref,
         "logits_equal": bool(torch.equal(our_logits, ref_logits)),
         "tied": tied, "verified": attached.verified is not None, "seconds": attached.seconds,
         "tensors": attached.tensors, "bytes": attached.bytes, "mode": attached.mode,
     }
     attached.close()
+    return result
+
+
+def tp_slices(spec: dict[str, Any]) -> dict[str, Any]:
+    """Attach one TP rank's arena (found by this GPU's UUID) over CUDA IPC and
+    compare every tensor with that rank's chunk of the checkpoint on disk;
+    the other rank's chunk is the control (it must differ)."""
+    from safetensors.torch import load_file
+
+    from preload.checksum import verify_resident
+    from preload.client import DaemonClient
+    from preload.daemon.raw import raw_key
+    from preload.daemon.tp_slice import chunk, plan_slices
+    from preload.hf_attach import find_rank
+    from preload.identity.shards import shard_paths
+    from preload.transports.cuda import device_uuid
+
+    torch.cuda.init()
+    dev = torch.device("cuda", 0)
+    tp, r = int(spec["tp_size"]), int(spec["tp_rank"])
+    g = find_rank(spec["socket_dir"], dev, tp, r)
+    client = DaemonClient.connect(spec["socket_dir"], g, client="gpu-probe")
+    state = client.get_state(raw_key(spec["checkpoint"], spec["digest"], "cuda", tp, r))
+    t0 = time.perf_counter()
+    att = state.attach()
+    torch.cuda.synchronize()
+    attach_s = time.perf_counter() - t0
+    verify_resident(att.tensors, state.layout, state.checksums)
+    disk: dict[str, torch.Tensor] = {}
+    for p in shard_paths(spec["checkpoint"]):
+        disk.update(load_file(str(p)))
+    slices = plan_slices(spec["checkpoint"], [(n, tuple(t.shape)) for n, t in disk.items()], tp, r)
+    equal, other_equal, sharded = True, True, 0
+    for n, full in disk.items():
+        d = slices[n].dim
+        mine = full if d is None else chunk(full, d, tp, r)
+        equal &= torch.equal(att.tensors[n].cpu(), mine.contiguous())
+        if d is not None:
+            sharded += 1
+            other = chunk(full, d, tp, (r + 1) % tp)
+            other_equal &= other.shape == mine.shape and torch.equal(att.tensors[n].cpu(), other.contiguous())
+    result = {
+        "global_rank": g, "hello_uuid": client.hello.get("gpu_uuid"), "own_uuid": device_uuid(0),
+        "equal_to_rank_slices": equal, "equal_to_other_rank_slices": other_equal, "sharded": sharded,
+        "bytes": state.layout.total_bytes, "full_bytes": sum(t.numel() * t.element_size() for t in disk.values()),
+        "attach_s": attach_s,
+    }
+    att.close()
+    client.close()
     return result
 
 
@@ -171,7 +224,7 @@ def watch(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     spec = json.loads(sys.argv[1])
-    action = {"attach": attach, "hf": hf, "watch": watch}[spec["action"]]
+    action = {"attach": attach, "hf": hf, "watch": watch, "tp_slices": tp_slices}[spec["action"]]
     try:
         _say({"event": "result", **action(spec)})
     except Exception as exc:  # reported, not hidden: the test asserts on it

@@ -26,16 +26,18 @@ def probe_env() -> dict[str, str]:
 
 
 @contextmanager
-def running_daemon(checkpoint: Path, ready_timeout_s: float = 600.0) -> Iterator[dict[str, Any]]:
+def running_daemon(checkpoint: Path, ready_timeout_s: float = 600.0, args: tuple[str, ...] = (),
+                   root: Path | None = None) -> Iterator[dict[str, Any]]:
     """``preload-gate preload CKPT --stage raw --transport cuda`` until the block ends.
 
     Yields the daemon's ready event plus ``proc`` (the launcher's Popen).
     """
-    root = Path(tempfile.mkdtemp(prefix="pg-gpu-"))
+    own_root = root is None
+    root = root or Path(tempfile.mkdtemp(prefix="pg-gpu-"))
     os.chmod(root, 0o700)
     proc = subprocess.Popen(
         [sys.executable, "-m", "preload_gate", "preload", str(checkpoint), "--stage", "raw",
-         "--transport", "cuda", "--identity", "full", "--socket-root", str(root)],
+         "--transport", "cuda", "--identity", "full", "--socket-root", str(root), *args],
         stdout=subprocess.PIPE, text=True, env=probe_env(), cwd=str(REPO),
     )
     box: list[str] = []
@@ -56,14 +58,15 @@ def running_daemon(checkpoint: Path, ready_timeout_s: float = 600.0) -> Iterator
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        shutil.rmtree(root, ignore_errors=True)
+        if own_root:
+            shutil.rmtree(root, ignore_errors=True)
 
 
-def probe(spec: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
+def probe(spec: dict[str, Any], timeout_s: float = 600.0, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one engine process; returns its last JSON line (result or error)."""
     out = subprocess.run(
         [sys.executable, str(PROBE), json.dumps(spec)], capture_output=True, text=True,
-        timeout=timeout_s, env=probe_env(), cwd=str(REPO),
+        timeout=timeout_s, env={**probe_env(), **(env or {})}, cwd=str(REPO),
     )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if not lines:
