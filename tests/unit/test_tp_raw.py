@@ -62,7 +62,8 @@ def run_tp2(ckpt: Path, daemon: Daemon, events: Path, **spec: Any) -> dict[int, 
     body = {"checkpoint": str(ckpt), "socket_dir": str(daemon.socket_dir), "digest": daemon.ready["digest"],
             "prompts": PROMPTS, "max_new_tokens": 12, "events_file": str(events), "result_dir": str(results),
             **spec}
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # CPU engines: hide any GPU, or transformers puts tp_plan="auto" on cuda:LOCAL_RANK.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
          str(ENGINE), json.dumps(body)],
