@@ -70,13 +70,64 @@ def first_diff(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
     return [next((i for i, (x, y) in enumerate(zip(p, q, strict=False)) if x != y), None) for p, q in zip(a, b, strict=True)]
 
 
+def one_gpu(gb: float, sink: Path) -> dict:
+    """Both TP ranks of a ``-tp 2`` checkpoint as two launchers (--nnodes 2)
+    on this one GPU: what each holds (from free memory), and per rank the
+    attach time over CUDA IPC against loading the same slices from disk."""
+    work = Path(tempfile.mkdtemp(prefix="pg1-", dir=os.environ.get("PRELOAD_GATE_BENCH_DIR", "/tmp")))
+    ckpt = work / "ckpt"
+    out: dict = {}
+    procs = []
+    try:
+        out["checkpoint"] = synthetic(ckpt, gb)
+        root = work / "sock"
+        root.mkdir(mode=0o700)
+        env = {**os.environ, **SAFE, "PYTHONPATH": str(REPO)}
+        readies = []
+        for node in (0, 1):
+            before = free()[0]
+            t0 = time.perf_counter()
+            d = subprocess.Popen([sys.executable, "-m", "preload_gate", "preload", str(ckpt), "--stage", "raw",
+                                  "--transport", "cuda", "-tp", "2", "--nnodes", "2", "--node-rank", str(node),
+                                  "--identity", "full", "--socket-root", str(root)],
+                                 stdout=subprocess.PIPE, text=True, env=env, cwd=str(REPO))
+            procs.append(d)
+            assert d.stdout is not None
+            ready = json.loads(d.stdout.readline())
+            readies.append(ready)
+            drop = before - free()[0]
+            sink.write_text(json.dumps(out, indent=1))
+            out[f"rank{node}"] = {"daemon_ready_s": time.perf_counter() - t0, "arena_bytes": ready["ranks"][0]["bytes"],
+                                  "free_drop": drop, "free_drop_fraction_of_checkpoint": drop / out["checkpoint"]["bytes"]}
+        for node, ready in enumerate(readies):
+            spec = {"action": "tp_slices", "checkpoint": str(ckpt), "digest": ready["digest"],
+                    "socket_dir": ready["socket_dir"], "tp_size": 2, "tp_rank": node, "disk_load": True}
+            p = subprocess.run([sys.executable, str(REPO / "tests" / "gpu" / "engine_probe.py"), json.dumps(spec)],
+                               capture_output=True, text=True, env=env, cwd=str(REPO), timeout=600)
+            lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+            res = json.loads(lines[-1]) if lines else {"error": p.stderr[-2000:]}
+            out[f"rank{node}"].update(res)
+            if "attach_s" in res and res.get("disk_load_s"):
+                out[f"rank{node}"]["disk_over_attach"] = res["disk_load_s"] / res["attach_s"]
+            sink.write_text(json.dumps(out, indent=1))
+    finally:
+        for d in procs:
+            d.terminate()
+            d.wait(120)
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def main() -> int:
     out_dir = Path(sys.argv[1])
-    gb = float(sys.argv[2]) if len(sys.argv) > 2 else 8.0
+    args = [a for a in sys.argv[2:] if not a.startswith("--")]
+    gb = float(args[0]) if args else 8.0
     new = 32
     result: dict = {"gpus": torch.cuda.device_count(), "gb_per_gpu_asked": gb}
     if torch.cuda.device_count() < 2:
-        result["skipped"] = "needs two GPUs"
+        result["skipped"] = "needs two GPUs: TP=2 decode, DP=2; ran the one-GPU part (both TP ranks' arenas on GPU 0)"
+        if "--one-gpu" in sys.argv:
+            result["one_gpu"] = one_gpu(gb, out_dir / "one_gpu_partial.json")
         (out_dir / "two_gpu.json").write_text(json.dumps(result, indent=1))
         print(json.dumps(result))
         return 0

@@ -183,7 +183,26 @@ def tp_slices(spec: dict[str, Any]) -> dict[str, Any]:
     att = state.attach()
     torch.cuda.synchronize()
     attach_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
     verify_resident(att.tensors, state.layout, state.checksums)
+    verify_s = time.perf_counter() - t1
+    if spec.get("disk_load"):
+        # The same rank's slices loaded from disk to this GPU (the fallback path), for the bench.
+        from preload.hf_attach import disk_rank_tensors
+
+        free0 = _free()
+        t2 = time.perf_counter()
+        loaded = disk_rank_tensors(spec["checkpoint"], dev, tp, r)
+        torch.cuda.synchronize()
+        disk_s = time.perf_counter() - t2
+        disk_bytes = sum(t.numel() * t.element_size() for t in loaded.values())
+        del loaded
+        torch.cuda.empty_cache()
+        result = {"global_rank": g, "attach_s": attach_s, "verify_s": verify_s, "disk_load_s": disk_s,
+                  "disk_bytes": disk_bytes, "bytes": state.layout.total_bytes, "free_before_disk_load": free0}
+        att.close()
+        client.close()
+        return result
     disk: dict[str, torch.Tensor] = {}
     for p in shard_paths(spec["checkpoint"]):
         disk.update(load_file(str(p)))
@@ -201,7 +220,7 @@ def tp_slices(spec: dict[str, Any]) -> dict[str, Any]:
         "global_rank": g, "hello_uuid": client.hello.get("gpu_uuid"), "own_uuid": device_uuid(0),
         "equal_to_rank_slices": equal, "equal_to_other_rank_slices": other_equal, "sharded": sharded,
         "bytes": state.layout.total_bytes, "full_bytes": sum(t.numel() * t.element_size() for t in disk.values()),
-        "attach_s": attach_s,
+        "attach_s": attach_s, "verify_s": verify_s,
     }
     att.close()
     client.close()
