@@ -157,7 +157,7 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None) -> 
                 "bytes": filled.layout.total_bytes, "tensors": len(filled.layout.entries),
                 "load_seconds": round(filled.load_seconds, 4), "bytes_read": filled.bytes_read,
                 "peak_rss_bytes": filled.peak_rss_bytes, "baseline_rss_bytes": filled.baseline_rss_bytes,
-                "daemon_id": server.daemon_id,
+                "daemon_id": server.daemon_id, "gpu_uuid": getattr(filled.arena, "uuid", None),
             })
         parent = os.getppid()
         while not stop.wait(0.5):

@@ -98,3 +98,24 @@ def test_engine_picks_its_physical_gpus_daemon_under_any_visible_order() -> None
     with pytest.raises(PlacementError, match="stop all but one"):
         rank_on_gpu({0: "GPU-aaaa", 1: "GPU-aaaa"}, "GPU-aaaa")
     assert visible_uuids("2", physical) == [] and visible_uuids(None, physical) == physical
+
+
+def test_load_rank_without_a_daemon_fails_or_falls_back_with_one_event(kv2: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from preload.events import read_events
+    from preload.hf_attach import AttachError, load_rank
+    empty = tmp_path / "sock"
+    empty.mkdir(mode=0o700)
+    kw = {"device": "cpu", "socket_dir": empty, "identity": "full", "verify": False, "watch": False}
+    with pytest.raises(AttachError, match="rank 0: no daemon for global rank 0.*fallback is off"):
+        load_rank(kv2, fallback=False, events_file=str(tmp_path / "off.jsonl"), **kw)
+    (off,) = read_events(tmp_path / "off.jsonl")
+    assert (off["outcome"], off["rank"], off["source"]) == ("miss", 0, "none")
+    got = load_rank(kv2, fallback=True, events_file=str(tmp_path / "on.jsonl"), **kw)
+    (on,) = read_events(tmp_path / "on.jsonl")
+    assert (on["outcome"], on["source"], got.source) == ("miss", "disk", "disk")
+    ref = AutoModelForCausalLM.from_pretrained(str(kv2), dtype=torch.bfloat16).eval()
+    ids = torch.tensor([[1, 5, 77, 300]])
+    with torch.no_grad():
+        assert torch.equal(got.model(ids).logits, ref(ids).logits)
