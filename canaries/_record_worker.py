@@ -22,6 +22,12 @@ def _record(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     s = spec["sampling"]
+    kwargs: dict[str, Any] = {}
+    # The deployment's settings (preload.deployment), where they leave vLLM's defaults.
+    for name, default in (("tensor_parallel_size", 1), ("pipeline_parallel_size", 1), ("quantization", None),
+                          ("kv_cache_dtype", "auto")):
+        if spec.get(name, default) != default:
+            kwargs[name] = spec[name]
     llm = LLM(
         model=spec["model"],
         load_format="auto",
@@ -30,6 +36,7 @@ def _record(spec: dict[str, Any]) -> dict[str, Any]:
         enforce_eager=True,
         gpu_memory_utilization=0.1,
         seed=0,
+        **kwargs,
     )
     tokenizer = llm.get_tokenizer()
     # The OpenAI server tokenizes a text prompt with special tokens added;
@@ -61,7 +68,10 @@ def _record(spec: dict[str, Any]) -> dict[str, Any]:
             "text": comp.text, "token_logprobs": chosen, "top_logprobs": top,
         })
     token_texts = {str(t): tokenizer.decode([t]) for t in sorted(seen)}
-    return {"ok": True, "vllm_version": vllm_version, "prompts": prompts, "token_texts": token_texts}
+    from preload.deployment import resolved_dtype
+
+    return {"ok": True, "vllm_version": vllm_version, "prompts": prompts, "token_texts": token_texts,
+            "resolved_dtype": resolved_dtype(llm)}
 
 
 def main(argv: list[str]) -> int:

@@ -58,7 +58,9 @@ class ReplicaFailure(Exception):
 class ReplicaResult:
     """The verdict for one replica.
 
-    ``reason``: ``match``, ``token_mismatch``, ``logprob_drift``,
+    ``reason``: ``match``, ``near_tie`` (matched, except where two tokens the
+    golden recorded within the tolerance swapped: ``near_ties`` names each),
+    ``token_mismatch``, ``logprob_drift``,
     ``unreachable``, ``timeout``, ``http_error``, ``malformed``,
     ``no_model``, ``version_mismatch``, ``error`` (anything else, named).
     """
@@ -74,9 +76,12 @@ class ReplicaResult:
     max_logprob_delta: float | None = None
     first_difference: dict[str, Any] | None = None
     claim: dict[str, str] | None = None
+    near_ties: list[dict[str, Any]] = field(default_factory=list)
+    # Where vllm_version came from: "probe" (GET /version), or why it is unknown.
+    version_source: str = ""
 
     def line(self) -> str:
-        verdict = "PASS" if self.ok else "FAIL"
+        verdict = ("NEAR-TIE" if self.reason == "near_tie" else "PASS") if self.ok else "FAIL"
         return f"{verdict} {self.base_url}: {self.detail}"
 
 
@@ -172,7 +177,7 @@ class _Replica:
 
     def __init__(
         self, base_url: str, golden: Golden, timeout_s: float, retries: int, tolerance: float,
-        model: str | None, api_key: str,
+        model: str | None, api_key: str, version_probe: bool = True,
     ) -> None:
         self.base_url = base_url
         self.golden = golden
@@ -181,6 +186,8 @@ class _Replica:
         self.tolerance = tolerance
         self.model = model
         self.api_key = api_key
+        self.version_probe = version_probe
+        self.version_note = ""
         self.api, self.root = api_urls(base_url)
 
     async def run(self, sem: asyncio.Semaphore) -> ReplicaResult:
@@ -230,23 +237,52 @@ class _Replica:
         result.detail = described["detail"]
 
     async def _attempt(self, client: Any) -> ReplicaResult:
+        self.version_note = ""
         model = self.model or await self._served_model(client)
-        version = await self._version(client)
+        version = await self._version(client) if self.version_probe else None
+        if not self.version_probe:
+            self.version_note = "not probed (--no-version-probe)"
         if version is not None and version != self.golden.vllm_version:
             return ReplicaResult(
                 self.base_url, False, "version_mismatch",
-                f"replica runs vLLM {version}, the golden was recorded with {self.golden.vllm_version}; "
-                "record a golden with the replica's vLLM",
-                model=model, vllm_version=version,
+                f"GET /version says vLLM {version}, the golden was recorded with {self.golden.vllm_version}; "
+                "record a golden with the replica's vLLM (behind a router that answers /version itself, "
+                "pass --no-version-probe)",
+                model=model, vllm_version=version, version_source="probe",
             )
-        answers = await self._ask(client, model)
+        answers, body = await self._ask(client, model)
+        if version is None:
+            version = _version_from_completion(body)
+            if version is not None:
+                self.version_note = "the completion response"
+                if version != self.golden.vllm_version:
+                    return ReplicaResult(
+                        self.base_url, False, "version_mismatch",
+                        f"the completion response says vLLM {version}, the golden was recorded with "
+                        f"{self.golden.vllm_version}; record a golden with the replica's vLLM",
+                        model=model, vllm_version=version, version_source=self.version_note,
+                    )
+        source = "probe" if version is not None and not self.version_note else (
+            self.version_note or "unknown: the replica did not say; not compared")
         comparison = compare_answers(self.golden.prompts, answers, self.tolerance)
         shape = f"{len(answers)} prompts x {self.golden.sampling.max_tokens} tokens"
+        if comparison.ok and comparison.near_ties:
+            ties = [asdict(t) for t in comparison.near_ties]
+            where = ", ".join(f"prompt {t.prompt_index} position {t.position} ({t.expected_id}<->{t.got_id}, "
+                              f"gap {t.gap:.2g})" for t in comparison.near_ties)
+            return ReplicaResult(
+                self.base_url, True, "near_tie",
+                f"near-tie, not a weights difference: the golden recorded both tokens within the tolerance "
+                f"{self.tolerance:g} at {where}; that prompt compared up to there, the rest match; "
+                f"max |logprob delta| {comparison.max_delta:.4f}",
+                model=model, vllm_version=version, max_logprob_delta=comparison.max_delta, near_ties=ties,
+                version_source=source,
+            )
         if comparison.ok:
             return ReplicaResult(
                 self.base_url, True, "match",
                 f"{shape} match; max |logprob delta| {comparison.max_delta:.4f} (tolerance {self.tolerance:g})",
-                model=model, vllm_version=version, max_logprob_delta=comparison.max_delta,
+                model=model, vllm_version=version, max_logprob_delta=comparison.max_delta, version_source=source,
             )
         diff = comparison.difference
         assert diff is not None
@@ -254,7 +290,7 @@ class _Replica:
         return ReplicaResult(
             self.base_url, False, "token_mismatch" if diff.kind == "token" else "logprob_drift",
             f"{diff.kind} difference in prompt {diff.prompt_index} at position {diff.position}",
-            model=model, vllm_version=version,
+            model=model, vllm_version=version, version_source=source,
             max_logprob_delta=comparison.max_delta, first_difference={"difference": diff},
         )
 
@@ -287,21 +323,46 @@ class _Replica:
         if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
             raise ReplicaFailure("malformed", "GET /v1/models: no 'data' list of models with ids")
         ids = [m["id"] for m in data]
+        if len(ids) > 1:
+            # vLLM with --enable-lora lists adapters beside the base, each
+            # naming its base as "parent": the one model without one is it.
+            roots = [m["id"] for m in data if not m.get("parent")]
+            if len(roots) == 1 and all(m.get("parent") in (None, roots[0]) for m in data):
+                return str(roots[0])
         if len(ids) != 1:
             raise ReplicaFailure("no_model", f"replica serves {len(ids)} models ({', '.join(ids)[:200]}); pass --model NAME")
         return str(ids[0])
 
     async def _version(self, client: Any) -> str | None:
-        """vLLM's ``/version``; None when the server has none (not vLLM, or a proxy)."""
-        resp = await self._call("GET /version", client.get(self.root + "/version", cast_to=str))
-        if resp is None:
+        """vLLM's ``/version``; None when nothing usable answers there.
+
+        A gateway that only forwards ``/v1`` (401/403), a web front that
+        answers every path with HTML, or no such endpoint: the probe says
+        nothing about the replica, so the version is taken from the
+        completion response if it says, and otherwise left unknown (noted in
+        the result), rather than failing a correct replica. Unreachable and
+        timed-out stay failures: the completion would meet the same.
+        """
+        try:
+            resp = await self._call("GET /version", client.get(self.root + "/version", cast_to=str))
+        except ReplicaFailure as exc:
+            if exc.reason != "http_error" or exc.retryable:
+                raise
+            self.version_note = f"unknown: {exc}"
             return None
-        body = _json_body(resp, "GET /version")
+        if resp is None:
+            self.version_note = "unknown: GET /version: 404"
+            return None
+        try:
+            body = json.loads(resp)
+        except ValueError:
+            body = None
         if not isinstance(body, dict) or not isinstance(body.get("version"), str):
-            raise ReplicaFailure("malformed", "GET /version: no 'version' string")
+            self.version_note = f"unknown: GET /version is not vLLM's ({resp[:40]!r})"
+            return None
         return str(body["version"])
 
-    async def _ask(self, client: Any, model: str) -> list[Answer]:
+    async def _ask(self, client: Any, model: str) -> tuple[list[Answer], Any]:
         s = self.golden.sampling
         # vLLM's sampling extensions travel in extra_body; see Sampling for why
         # each is stated rather than left to the server's defaults.
@@ -322,7 +383,7 @@ class _Replica:
         )
         resp = await self._call("POST /v1/completions", request)
         body = _json_body(resp, "POST /v1/completions")
-        return parse_completion(body, len(self.golden.prompts))
+        return parse_completion(body, len(self.golden.prompts)), body
 
     async def _token_text(self, client: Any, model: str, token_id: int | None, ask_replica: bool) -> str:
         if token_id is None:
@@ -367,6 +428,19 @@ class _Replica:
         return out
 
 
+def _version_from_completion(body: Any) -> str | None:
+    """A vLLM version the completion response states, if any.
+
+    vLLM's OpenAI server does not put its version in completion bodies today;
+    a front that does (``system_fingerprint`` of the form ``vllm-X.Y.Z``) is
+    believed, as the answer comes from the replica itself.
+    """
+    fp = body.get("system_fingerprint") if isinstance(body, dict) else None
+    if isinstance(fp, str) and fp.startswith("vllm-"):
+        return fp[len("vllm-"):]
+    return None
+
+
 def _json_body(text: str | None, what: str) -> Any:
     try:
         return json.loads(text or "")
@@ -385,6 +459,7 @@ async def check_async(
     model: str | None = None,
     concurrency: int = DEFAULT_CONCURRENCY,
     api_key: str = "EMPTY",
+    version_probe: bool = True,
 ) -> CheckReport:
     """Check every replica against ``golden``; see :func:`check`."""
     if not base_urls:
@@ -393,7 +468,7 @@ async def check_async(
         raise ValueError("timeout must be > 0, retries >= 0, tolerance >= 0, concurrency >= 1")
     replica_claims = _claims(base_urls, golden, expect_digest, claims)
     sem = asyncio.Semaphore(concurrency)
-    replicas = [_Replica(u, golden, timeout, retries, tolerance, model, api_key) for u in base_urls]
+    replicas = [_Replica(u, golden, timeout, retries, tolerance, model, api_key, version_probe) for u in base_urls]
     results = await asyncio.gather(*(r.run(sem) for r in replicas))
     for r in results:
         c = replica_claims.get(r.base_url)
@@ -431,6 +506,7 @@ def check(
     model: str | None = None,
     concurrency: int = DEFAULT_CONCURRENCY,
     api_key: str = "EMPTY",
+    version_probe: bool = True,
 ) -> CheckReport:
     """Ask every replica the golden prompts and compare; ``report.ok`` only if all match.
 
@@ -443,4 +519,5 @@ def check(
     return asyncio.run(check_async(
         base_urls, golden, timeout=timeout, retries=retries, tolerance=tolerance,
         expect_digest=expect_digest, claims=claims, model=model, concurrency=concurrency, api_key=api_key,
+        version_probe=version_probe,
     ))

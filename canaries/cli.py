@@ -26,8 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
     r.add_argument("--top-logprobs", type=int, default=5, help="top logprobs per position (default 5)")
     r.add_argument("--prompts", default=None, help="prompts file: one per line, or a JSON list (.json)")
-    r.add_argument("--dtype", default="bfloat16", help="engine dtype (the replicas' dtype)")
-    r.add_argument("--max-model-len", type=int, default=256)
+    from preload.deployment import add_arguments
+
+    add_arguments(r.add_argument_group("deployment settings (as vllm serve takes them; recorded in the golden)"))
     r.add_argument("--timeout", type=float, default=600.0, help="seconds for the recording engine")
     r.add_argument("--json", action="store_true", help="print the golden's key as JSON")
     r.set_defaults(func=_record)
@@ -44,6 +45,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--model", default=None, help="served model name (default: the replica's only model)")
     c.add_argument("--concurrency", type=int, default=8, help="replicas asked at once")
     c.add_argument("--api-key", default=None, help="bearer token (default $OPENAI_API_KEY or EMPTY)")
+    c.add_argument("--no-version-probe", action="store_true",
+                   help="do not ask GET /version (a router answering it with its own version); the "
+                        "version is then what the completion response says, or unknown")
+    c.add_argument("--checkpoint", default=None,
+                   help="the checkpoint directory the replicas serve: refuse a golden recorded for "
+                        "another config.json or tokenizer")
+    fit = c.add_argument_group("deployment settings the replicas serve (as vllm serve takes them; "
+                               "a golden recorded under others is refused; unstated ones are not compared)")
+    add_arguments(fit, stated_only=True)
     claim = c.add_mutually_exclusive_group()
     claim.add_argument("--expect-digest", default=None, help="the content digest every replica must serve")
     claim.add_argument("--events-file", action="append", default=None, dest="events_files",
@@ -57,10 +67,12 @@ def _record(args: argparse.Namespace) -> int:
     from canaries.golden import record
     from canaries.prompts import load_prompts
 
+    from preload.deployment import from_args
+
     prompts = load_prompts(args.prompts) if args.prompts else None
     golden = record(
         args.model, args.out, prompts=prompts, max_tokens=args.max_tokens, top_logprobs=args.top_logprobs,
-        dtype=args.dtype, max_model_len=args.max_model_len, timeout_s=args.timeout,
+        timeout_s=args.timeout, settings=from_args(args),
     )
     if args.json:
         print(json.dumps({"golden": args.out, **golden.key(), "prompts": len(golden.prompts)}, indent=2))
@@ -68,6 +80,8 @@ def _record(args: argparse.Namespace) -> int:
         print(f"golden      {args.out}")
         print(f"digest      {golden.digest}")
         print(f"vllm        {golden.vllm_version}")
+        print(f"settings    {' '.join(golden.settings.engine_args()) if golden.settings else '-'} "
+              f"(dtype {golden.engine.get('resolved_dtype') or golden.engine.get('dtype')})")
         print(f"prompts     {len(golden.prompts)} x {golden.sampling.max_tokens} tokens, "
               f"top {golden.sampling.top_logprobs} logprobs")
     return 0
@@ -101,7 +115,11 @@ def _check(args: argparse.Namespace) -> int:
         # One line per request from the HTTP client would bury the verdicts.
         for name in ("httpx", "httpx2", "openai"):
             logging.getLogger(name).setLevel(logging.WARNING)
+    from canaries.fit import check_fit
+    from preload.deployment import stated_args
+
     golden = load_golden(args.golden)
+    check_fit(golden, stated_args(args), args.checkpoint)
     urls: list[str] = args.base_urls
     claims = {}
     for url, path in _per_replica(args.events_files, urls, "--events-file"):
@@ -117,6 +135,7 @@ def _check(args: argparse.Namespace) -> int:
         urls, golden, timeout=args.timeout, retries=args.retries, tolerance=tolerance,
         expect_digest=args.expect_digest, claims=claims, model=args.model, concurrency=args.concurrency,
         api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY",
+        version_probe=not args.no_version_probe,
     )
     if args.json:
         print(json.dumps({"golden": args.golden, **report.to_json()}, indent=2))
@@ -124,6 +143,7 @@ def _check(args: argparse.Namespace) -> int:
         for r in report.results:
             print(r.line())
         n_ok = sum(r.ok for r in report.results)
+        n_tie = sum(r.reason == "near_tie" for r in report.results)
         print(f"{n_ok}/{len(report.results)} replicas match golden {golden.digest[:16]} "
-              f"(vLLM {golden.vllm_version})", file=sys.stdout)
+              f"(vLLM {golden.vllm_version})" + (f", {n_tie} with near-ties only" if n_tie else ""), file=sys.stdout)
     return 0 if report.ok else 1

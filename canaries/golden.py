@@ -1,7 +1,10 @@
 """Golden records: what a checkpoint answers, greedily, to the canary prompts.
 
-A golden file is keyed by three things, and means nothing outside them:
-the checkpoint's content digest (``preload.identity``), the sampling
+A golden file is keyed by everything that decides the answers, and means
+nothing outside it: the checkpoint's content digest (``preload.identity``),
+its config.json and tokenizer digests (a RoPE fix edits only config.json),
+the deployment settings the engine ran with (dtype, parallelism, max model
+length, quantization, KV-cache dtype: ``preload.deployment``), the sampling
 settings, and the vLLM version that produced it. ``record`` captures one
 from an ``auto`` engine (weights read from disk, no cache involved) in a
 subprocess; ``check`` (``canaries.check``) later asks serving replicas the
@@ -34,6 +37,7 @@ from typing import Any
 from canaries.errors import GoldenError
 from canaries.prompts import DEFAULT_PROMPTS
 from preload import _atomic
+from preload.deployment import DeploymentSettings, SettingsError, answer_identity
 from preload.identity.digest import checkpoint_digest, hash_shards
 from preload.identity.manifest import FileStat
 from preload.identity.shards import shard_paths
@@ -104,16 +108,25 @@ class Golden:
     token_texts: dict[str, str] = field(default_factory=dict)
     recorded_at: str = ""
     format: str = FORMAT
+    # None in goldens written before these were recorded: then not compared.
+    settings: DeploymentSettings | None = None
+    config_digest: str | None = None
+    tokenizer_digest: str | None = None
 
     def key(self) -> dict[str, Any]:
-        """What this golden is valid for: content, sampling, vLLM version."""
-        return {"digest": self.digest, "sampling": asdict(self.sampling), "vllm_version": self.vllm_version}
+        """What this golden is valid for: content, config, tokenizer, settings, sampling, vLLM version."""
+        return {"digest": self.digest, "config_digest": self.config_digest,
+                "tokenizer_digest": self.tokenizer_digest,
+                "settings": self.settings.to_json() if self.settings else None,
+                "sampling": asdict(self.sampling), "vllm_version": self.vllm_version}
 
     def token_text(self, token_id: int) -> str | None:
         return self.token_texts.get(str(token_id))
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["settings"] = self.settings.to_json() if self.settings else None
+        return out
 
     @classmethod
     def from_json(cls, obj: Any, source: str = "golden") -> Golden:
@@ -129,7 +142,11 @@ class Golden:
             sampling = Sampling(**obj["sampling"])
             prompts = [_prompt_from_json(p, sampling, f"{source}: prompt {i}") for i, p in enumerate(obj["prompts"])]
             token_texts = {str(k): str(v) for k, v in obj.get("token_texts", {}).items()}
+            settings = obj.get("settings")
             golden = cls(
+                settings=DeploymentSettings.from_json(settings) if settings is not None else None,
+                config_digest=_optional_digest(obj.get("config_digest"), "config_digest", source),
+                tokenizer_digest=_optional_digest(obj.get("tokenizer_digest"), "tokenizer_digest", source),
                 digest=digest,
                 vllm_version=str(obj["vllm_version"]),
                 sampling=sampling,
@@ -141,11 +158,22 @@ class Golden:
             )
         except GoldenError:
             raise
+        except SettingsError as exc:
+            raise GoldenError(f"{source}: {exc}") from exc
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise GoldenError(f"{source}: malformed golden record ({type(exc).__name__}: {exc})") from exc
         if not golden.prompts:
             raise GoldenError(f"{source}: holds no prompt")
         return golden
+
+
+def _optional_digest(value: Any, name: str, source: str) -> str | None:
+    if value is None:
+        return None
+    d = str(value).lower()
+    if len(d) != 64 or any(c not in "0123456789abcdef" for c in d):
+        raise GoldenError(f"{source}: {name} is not 64 hex characters")
+    return d
 
 
 def _prompt_from_json(p: Any, sampling: Sampling, where: str) -> GoldenPrompt:
@@ -199,6 +227,7 @@ def record(
     dtype: str = "bfloat16",
     max_model_len: int = 256,
     timeout_s: float = DEFAULT_RECORD_TIMEOUT_S,
+    settings: DeploymentSettings | None = None,
 ) -> Golden:
     """Record a golden file for ``model`` from an ``auto`` engine and write it atomically.
 
@@ -206,7 +235,14 @@ def record(
     shards are stat-ed before and after (size, mtime, ctime, inode): a
     checkpoint edited while the engine read it is an error, so the digest
     always names the bytes the answers came from.
+
+    ``settings`` (the deployment's) wins over ``dtype`` and ``max_model_len``;
+    without it they make the settings. ``max_model_len`` still bounds the
+    engine when the settings leave it to vLLM (it does not change the answers
+    to short prompts, and keeps the engine small).
     """
+    if settings is None:
+        settings = DeploymentSettings(dtype=dtype, max_model_len=max_model_len)
     ckpt = Path(model).resolve()
     sampling = Sampling(max_tokens=max_tokens, top_logprobs=top_logprobs)
     prompt_list = list(prompts if prompts is not None else DEFAULT_PROMPTS)
@@ -218,11 +254,12 @@ def record(
         "model": str(ckpt),
         "prompts": prompt_list,
         "sampling": asdict(sampling),
-        "dtype": dtype,
-        "max_model_len": max_model_len,
+        **settings.to_json(),
+        "max_model_len": settings.max_model_len or max_model_len,
     }
+    identity = answer_identity(ckpt)
     result = _run_worker(spec, timeout_s)
-    if _shard_stats(ckpt) != before:
+    if _shard_stats(ckpt) != before or answer_identity(ckpt) != identity:
         raise GoldenError(f"{ckpt} changed while the golden was being recorded; record again")
     golden = Golden(
         digest=digest,
@@ -230,7 +267,11 @@ def record(
         sampling=sampling,
         prompts=[_prompt_from_json(p, sampling, f"recorded prompt {i}") for i, p in enumerate(result["prompts"])],
         checkpoint=str(ckpt),
-        engine={"load_format": "auto", "dtype": dtype, "max_model_len": max_model_len},
+        engine={"load_format": "auto", "dtype": settings.dtype, "max_model_len": spec["max_model_len"],
+                "resolved_dtype": result.get("resolved_dtype")},
+        settings=settings,
+        config_digest=identity["config_digest"],
+        tokenizer_digest=identity["tokenizer_digest"],
         token_texts={str(k): str(v) for k, v in result["token_texts"].items()},
         recorded_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )

@@ -105,6 +105,12 @@ def _register_gate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--unsafe-silent-fallback", action="store_true",
                    help="NEGATIVE CONTROL: the loader falls back without an event (must BLOCK)")
     p.add_argument("--no-golden", action="store_true", help="promotion: do not record the canary golden")
+    from preload.deployment import add_arguments
+
+    add_arguments(p.add_argument_group(
+        "deployment settings (as vllm serve takes them): the promotion gate's daemon, engines and golden "
+        "run with them (default: vLLM's); the self-test (--mutations) runs its catalogue's settings"),
+        stated_only=True)
     p.set_defaults(func=_gate)
 
 
@@ -121,6 +127,15 @@ def _gate(args: argparse.Namespace) -> int:
     from harness.gate import GateOptions, run_gate
     from harness.report import write_reports
     from harness.report.terminal import TerminalProgress, print_summary
+    from preload.deployment import DeploymentSettings, stated_args
+
+    stated = stated_args(args)
+    if stated and args.mutations is not None:
+        from harness.gate import GateSetupError
+
+        raise GateSetupError(f"--{next(iter(stated)).replace('_', '-')} applies to the promotion gate; the "
+                             "self-test (--mutations) runs each case in its catalogue's settings: drop the flag")
+    settings = DeploymentSettings(**stated) if args.mutations is None else None
 
     report = run_gate(GateOptions(
         candidate=args.candidate, base=args.base, target=args.target, mutations=args.mutations,
@@ -128,6 +143,7 @@ def _gate(args: argparse.Namespace) -> int:
         unsafe_identity=args.unsafe_identity, unsafe_silent_fallback=args.unsafe_silent_fallback,
         run_tp=args.run_tp, jobs=args.jobs, engine_timeout_s=args.engine_timeout,
         record_golden=not args.no_golden, progress=None if args.json else TerminalProgress(),
+        settings=settings,
     ))
     doc = report.to_json()
     if args.report:

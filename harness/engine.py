@@ -57,6 +57,10 @@ class EngineSpec:
     max_model_len: int = 256
     seed: int = 0
     env: dict[str, str] = field(default_factory=dict)
+    # The rest of the deployment's settings (preload.deployment); defaults are vLLM's.
+    pipeline_parallel_size: int = 1
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def settings(self) -> dict[str, Any]:
         """The settings that decide an `auto` engine's output (not where the
@@ -70,6 +74,9 @@ class EngineSpec:
             "top_logprobs": self.top_logprobs,
             "max_model_len": self.max_model_len,
             "seed": self.seed,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "quantization": self.quantization,
+            "kv_cache_dtype": self.kv_cache_dtype,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -98,6 +105,7 @@ class EngineResult:
     returncode: int | None = None
     timed_out: bool = False
     vllm_version: str | None = None
+    resolved_dtype: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -252,4 +260,5 @@ def _collect(out_path: Path, rc: int | None, timed_out: bool, timeout_s: float, 
         timings=marks,
         returncode=rc,
         vllm_version=obj.get("vllm_version"),
+        resolved_dtype=obj.get("resolved_dtype"),
     )

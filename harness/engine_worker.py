@@ -35,6 +35,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm import __version__ as vllm_version
 
+    from preload.deployment import resolved_dtype
+
     marks: dict[str, float] = {"imported": time.monotonic() - T0}
     kwargs: dict[str, Any] = {
         "model": spec["checkpoint"],
@@ -46,6 +48,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "gpu_memory_utilization": spec.get("gpu_memory_utilization", 0.1),
         "seed": spec.get("seed", 0),
     }
+    # Deployment settings beyond dtype/TP (preload.deployment); left to vLLM's defaults when unset.
+    if spec.get("pipeline_parallel_size", 1) != 1:
+        kwargs["pipeline_parallel_size"] = spec["pipeline_parallel_size"]
+    if spec.get("quantization"):
+        kwargs["quantization"] = spec["quantization"]
+    if spec.get("kv_cache_dtype", "auto") != "auto":
+        kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
     if spec.get("data_parallel_size", 1) != 1:
         kwargs["data_parallel_size"] = spec["data_parallel_size"]
     if spec.get("extra_config") is not None:
@@ -73,6 +82,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "logprobs": logprobs,
         "marks": marks,
         "vllm_version": vllm_version,
+        # What "auto" resolved to: the dtype the answers were computed in.
+        "resolved_dtype": resolved_dtype(llm),
     }
 
 

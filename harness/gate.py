@@ -42,10 +42,11 @@ from typing import Any
 
 from harness.daemon_process import DaemonProcess, DaemonStartError
 from harness.engine import DEFAULT_TIMEOUT_S, EngineResult, EngineSpec, run_engine
-from harness.mutations import BASE_SETTINGS, GateCase, select_cases
+from harness.mutations import BASE_SETTINGS, EngineSettings, GateCase, KeyCheck, dense_key, select_cases
 from harness.results import CaseResult, GateReport
 from harness.verdict import LOGPROB_TOLERANCE, NOT_RUN, PASS, Expectation, judge
 from preload import _atomic
+from preload.deployment import DeploymentSettings, answer_identity
 from preload.errors import PreloadGateError
 from preload.identity.digest import checkpoint_digest, hash_shards
 from preload.identity.shards import shard_paths
@@ -80,6 +81,9 @@ class GateOptions:
     engine_timeout_s: float = DEFAULT_TIMEOUT_S
     tolerance: float = LOGPROB_TOLERANCE
     record_golden: bool = True
+    # The deployment's engine settings (promotion): the daemon, both engines
+    # and the golden run with them. None: the self-test's own settings.
+    settings: DeploymentSettings | None = None
     progress: Callable[[str, str], None] | None = None  # (stage, message)
 
 
@@ -99,7 +103,9 @@ def content_digest(checkpoint: str | os.PathLike[str]) -> str:
 
 
 class ReferenceCache:
-    """``auto`` results on disk, keyed by (candidate digest, settings, vLLM version)."""
+    """``auto`` results on disk, keyed by everything that decides them: the
+    candidate's content, config and tokenizer digests, the engine settings
+    and the vLLM version (a config-only edit, e.g. RoPE, is another key)."""
 
     def __init__(self, root: str | os.PathLike[str] | None) -> None:
         if root is None:
@@ -109,7 +115,8 @@ class ReferenceCache:
         self.root = Path(root)
 
     def key(self, digest: str, spec: EngineSpec, version: str | None) -> str:
-        blob = json.dumps({"digest": digest, "settings": spec.settings(), "vllm": version}, sort_keys=True)
+        blob = json.dumps({"digest": digest, **answer_identity(spec.checkpoint), "settings": spec.settings(),
+                           "vllm": version}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def get(self, key: str) -> EngineResult | None:
@@ -127,8 +134,40 @@ class ReferenceCache:
 
 def _settings_json(case: GateCase) -> dict[str, Any]:
     s = case.settings
-    return {"dtype": s.dtype, "tensor_parallel_size": s.tensor_parallel_size,
-            "data_parallel_size": s.data_parallel_size}
+    out: dict[str, Any] = {"dtype": s.dtype, "tensor_parallel_size": s.tensor_parallel_size,
+                           "data_parallel_size": s.data_parallel_size}
+    if isinstance(case, _DeploymentCase):
+        out.update(case.deployment.to_json())
+    return out
+
+
+@dataclass(frozen=True)
+class _DeploymentCase(GateCase):
+    """A promotion case run in the deployment's settings: the daemon holds
+    the candidate under the same settings, so equal weights must hit."""
+
+    deployment: DeploymentSettings = DeploymentSettings()
+
+    @property
+    def expect(self) -> str:
+        return "hit" if self.weights_equal else "miss"
+
+    def key_check(self, digest: str) -> KeyCheck:
+        key = dense_key(digest, self.settings)
+        return KeyCheck(self.expected_fields, tuple(key.mismatched_fields(key)))
+
+
+def _gate_settings(opts: GateOptions) -> DeploymentSettings:
+    return opts.settings or DeploymentSettings(dtype=BASE_SETTINGS.dtype, max_model_len=_MAX_MODEL_LEN)
+
+
+# The gate's engines and daemon bound their context on small machines.
+_MAX_MODEL_LEN = 256
+
+
+def _engine_settings(d: DeploymentSettings) -> EngineSettings:
+    return EngineSettings(dtype=d.dtype, tensor_parallel_size=d.tensor_parallel_size,
+                          data_parallel_size=d.data_parallel_size)
 
 
 def _fingerprints(base: Path, candidate: Path, base_prints: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
@@ -184,9 +223,9 @@ def run_gate(opts: GateOptions) -> GateReport:
     base = Path(opts.base) if (opts.base and self_test) else candidate
     if opts.base:
         shard_paths(opts.base)
-    cases = select_cases(opts.mutations or "all") if self_test else [_promotion_case()]
+    cases = select_cases(opts.mutations or "all") if self_test else [_promotion_case(opts)]
     if not self_test and opts.base:
-        cases.append(_switch_case())
+        cases.append(_switch_case(opts))
     report = GateReport(
         mode="self-test" if self_test else "promotion",
         target=opts.target,
@@ -219,14 +258,17 @@ def run_gate(opts: GateOptions) -> GateReport:
     return report
 
 
-def _promotion_case() -> GateCase:
-    return GateCase("promotion", "the candidate served from its own daemon: a hit, equal to auto",
-                    recipe=None, weights_equal=True)
+def _promotion_case(opts: GateOptions) -> GateCase:
+    d = _gate_settings(opts)
+    return _DeploymentCase("promotion", "the candidate served from its own daemon: a hit, equal to auto",
+                           recipe=None, weights_equal=True, settings=_engine_settings(d), deployment=d)
 
 
-def _switch_case() -> GateCase:
-    return GateCase("switch_from_base", "the candidate while a daemon still holds the base",
-                    recipe=None, weights_equal=False, expected_fields=("content_digest",))
+def _switch_case(opts: GateOptions) -> GateCase:
+    d = _gate_settings(opts)
+    return _DeploymentCase("switch_from_base", "the candidate while a daemon still holds the base",
+                           recipe=None, weights_equal=False, expected_fields=("content_digest",),
+                           settings=_engine_settings(d), deployment=d)
 
 
 def _all_not_run(report: GateReport, cases: list[GateCase], reason: str) -> None:
@@ -252,7 +294,8 @@ def _run(opts: GateOptions, report: GateReport, cases: list[GateCase], base: Pat
     from preload.promote import promote
 
     promote(daemon_ckpt, socket_root=socket_root)
-    args = ["--dtype", BASE_SETTINGS.dtype, "--max-model-len", "256"]
+    d = _gate_settings(opts) if not self_test else DeploymentSettings(dtype=BASE_SETTINGS.dtype)
+    args = [*d.engine_args(), *([] if d.max_model_len else ["--max-model-len", str(_MAX_MODEL_LEN)])]
     if opts.unsafe_identity:
         args += ["--unsafe-identity", opts.unsafe_identity]
     daemon = DaemonProcess(str(daemon_ckpt), socket_root, workdir / "daemon.log", args)
@@ -321,6 +364,10 @@ def _prepare(opts: GateOptions, case: GateCase, base: Path, candidate: Path, dae
     s = case.settings
     common: dict[str, Any] = {"dtype": s.dtype, "tensor_parallel_size": s.tensor_parallel_size,
               "data_parallel_size": s.data_parallel_size}
+    if isinstance(case, _DeploymentCase):
+        dep = case.deployment
+        common.update(pipeline_parallel_size=dep.pipeline_parallel_size, quantization=dep.quantization,
+                      kv_cache_dtype=dep.kv_cache_dtype, max_model_len=dep.max_model_len or _MAX_MODEL_LEN)
     p.reference_spec = EngineSpec(checkpoint=str(cand), **common)
     extra: dict[str, Any] = {"fallback": case.expect == "miss", "identity": "stat",
                              "socket_root": socket_root}
@@ -416,7 +463,8 @@ def _record_golden(opts: GateOptions, candidate: Path) -> dict[str, Any]:
     out = Path(opts.report_dir) / "golden.json"
     _note(opts, "golden", f"recording the canary golden file {out}")
     try:
-        record(str(candidate), out)
+        d = _gate_settings(opts)
+        record(str(candidate), out, settings=d)
     except PreloadGateError as exc:
         return {"recorded": False, "note": f"golden recording failed: {exc}"}
-    return {"recorded": True, "path": str(out)}
+    return {"recorded": True, "path": str(out), "settings": d.to_json()}

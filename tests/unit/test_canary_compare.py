@@ -9,6 +9,7 @@ import pytest
 from canaries.compare import Answer, compare_answer, compare_answers
 from canaries.errors import GoldenError
 from canaries.golden import FORMAT, Golden, GoldenPrompt, Sampling, load_golden
+from preload.deployment import DeploymentSettings
 
 pytestmark = pytest.mark.unit
 
@@ -110,18 +111,21 @@ def test_compare_answers_reports_first_prompt_in_order() -> None:
 def _golden_json() -> dict:
     g = Golden(
         digest="ab" * 32, vllm_version="0.32.0", sampling=Sampling(max_tokens=3, top_logprobs=2),
-        prompts=[gp()], token_texts={"5": "five"},
+        prompts=[gp()], token_texts={"5": "five"}, settings=DeploymentSettings(dtype="float16"),
+        config_digest="cd" * 32, tokenizer_digest="ef" * 32,
     )
     return g.to_json()
 
 
-def test_golden_round_trips_and_keys_on_digest_sampling_version(tmp_path) -> None:
+def test_golden_round_trips_and_keys_on_everything_that_decides_answers(tmp_path) -> None:
     p = tmp_path / "g.json"
     p.write_text(json.dumps(_golden_json()))
     g = load_golden(p)
-    assert g.key() == {"digest": "ab" * 32, "vllm_version": "0.32.0", "sampling": {
-        "max_tokens": 3, "top_logprobs": 2, "temperature": 0.0, "ignore_eos": True,
-        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}}
+    assert g.key() == {
+        "digest": "ab" * 32, "config_digest": "cd" * 32, "tokenizer_digest": "ef" * 32,
+        "settings": DeploymentSettings(dtype="float16").to_json(), "vllm_version": "0.32.0", "sampling": {
+            "max_tokens": 3, "top_logprobs": 2, "temperature": 0.0, "ignore_eos": True,
+            "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}}
     assert g.token_text(5) == "five" and g.token_text(6) is None
     assert g.to_json()["format"] == FORMAT
 
