@@ -66,7 +66,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _record(args: argparse.Namespace) -> int:
     from canaries.golden import record
     from canaries.prompts import load_prompts
-
     from preload.deployment import from_args
 
     prompts = load_prompts(args.prompts) if args.prompts else None

@@ -42,7 +42,14 @@ from typing import Any
 
 from harness.daemon_process import DaemonProcess, DaemonStartError
 from harness.engine import DEFAULT_TIMEOUT_S, EngineResult, EngineSpec, run_engine
-from harness.mutations import BASE_SETTINGS, EngineSettings, GateCase, KeyCheck, dense_key, select_cases
+from harness.mutations import (
+    BASE_SETTINGS,
+    EngineSettings,
+    GateCase,
+    KeyCheck,
+    dense_key,
+    select_cases,
+)
 from harness.results import CaseResult, GateReport
 from harness.verdict import LOGPROB_TOLERANCE, NOT_RUN, PASS, Expectation, judge
 from preload import _atomic
