@@ -3,7 +3,19 @@
 #
 #   ci/promote_pipeline.sh CANDIDATE [--base CURRENT] [--out DIR] [--socket-root DIR]
 #                          [--health-port P] [--serve-port P] [--keep-daemon]
-#                          [-- ENGINE ARGS FOR THE DAEMON, e.g. --dtype bfloat16 -tp 2]
+#                          [-- ENGINE ARGS OF THE DEPLOYMENT, e.g. --dtype float16 -tp 2]
+#
+# The engine arguments after -- are the deployment's: the deployment settings
+# among them (--dtype, -tp/--tensor-parallel-size, -pp, -dp, --max-model-len,
+# -q/--quantization, --kv-cache-dtype, --enable-expert-parallel) reach the gate,
+# the golden recording, the daemon, the printed serve command and the printed
+# canary check alike, so the verdict and the golden cover what is served.
+#
+# Safe to run twice: each run writes its own OUT (default
+# promotion-<UTC time>-<pid>; an OUT already used by a run is refused); one
+# promotion per digest at a time (a second one exits 2 naming the first's pid);
+# where a daemon already serves the digest under the same settings (an earlier
+# --keep-daemon), it is reused, not started again.
 #
 # Exit: 0 promoted (golden recorded, daemon proved the bytes, deploy commands
 # printed and written to OUT/deploy.sh); 1 the gate BLOCKED the candidate;
@@ -48,9 +60,28 @@ done
 [[ -n "$CANDIDATE" ]] || usage
 [[ -d "$CANDIDATE" ]] || die "candidate $CANDIDATE is not a directory"
 CANDIDATE=$(cd "$CANDIDATE" && pwd -P)
-OUT=${OUT:-promotion-$(date -u +%Y%m%dT%H%M%SZ)}
-mkdir -p "$OUT"
+OUT=${OUT:-promotion-$(date -u +%Y%m%dT%H%M%SZ)-$$}
+mkdir -p "$OUT" || die "cannot create --out $OUT"
 OUT=$(cd "$OUT" && pwd -P)
+# Claim OUT (noclobber: exactly one run creates the claim file).
+if ! (set -o noclobber; echo "$$" > "$OUT/.pipeline") 2>/dev/null; then
+  die "$OUT was used by another run of this pipeline (pid $(cat "$OUT/.pipeline" 2>/dev/null || echo '?')); pass another --out"
+fi
+
+# The deployment settings among the engine arguments (preload.deployment
+# names them; each takes a value except --enable-expert-parallel).
+DEPLOY_ARGS=()
+for ((i = 0; i < ${#ENGINE_ARGS[@]}; i++)); do
+  a=${ENGINE_ARGS[i]}
+  case "$a" in
+    --dtype|--tensor-parallel-size|-tp|--pipeline-parallel-size|-pp|--data-parallel-size|-dp|--max-model-len|--quantization|-q|--kv-cache-dtype)
+      (( i + 1 < ${#ENGINE_ARGS[@]} )) || die "engine argument $a needs a value"
+      DEPLOY_ARGS+=("$a" "${ENGINE_ARGS[i + 1]}"); i=$((i + 1)) ;;
+    --dtype=*|--tensor-parallel-size=*|--pipeline-parallel-size=*|--data-parallel-size=*|--max-model-len=*|--quantization=*|--kv-cache-dtype=*)
+      DEPLOY_ARGS+=("$a") ;;
+    --enable-expert-parallel) DEPLOY_ARGS+=("$a") ;;
+  esac
+done
 command -v "${PG%% *}" >/dev/null || die "$PG not found (pip install 'preload-gate[cpu]' or set PRELOAD_GATE)"
 
 json_field() {  # json_field FILE KEY: one top-level string field of a JSON file
@@ -68,9 +99,18 @@ SOCKET_DIR=$(json_field "$OUT/promote.json" socket_dir)
 SOCKET_ROOT=$(dirname "$SOCKET_DIR")
 echo "digest $DIGEST" >&2
 
+# One promotion per digest at a time: two runs on one checkpoint (a double
+# trigger, a retry) would fight over the daemon's rank lock.
+LOCK_FILE="$SOCKET_ROOT/${DIGEST:0:16}.promotion.lock"
+exec 9>>"$LOCK_FILE" || die "cannot open the promotion lock $LOCK_FILE"
+if ! flock -n 9; then
+  die "another promotion of $DIGEST is running (pid $(head -n 1 "$LOCK_FILE.pid" 2>/dev/null || echo '?'), out $(sed -n 2p "$LOCK_FILE.pid" 2>/dev/null)); wait for it to finish, then run again"
+fi
+printf '%s\n%s\n' "$$" "$OUT" > "$LOCK_FILE.pid"
+
 # 2. Gate: cached engine vs auto on the candidate; any BLOCK stops here.
 step "gate $CANDIDATE${BASE:+ (base $BASE)}"
-gate_args=(gate "$CANDIDATE" --report "$OUT/gate" --no-golden)
+gate_args=(gate "$CANDIDATE" --report "$OUT/gate" --no-golden "${DEPLOY_ARGS[@]}")
 [[ -n "$BASE" ]] && gate_args+=(--base "$BASE")
 # shellcheck disable=SC2206 # GATE_ARGS is word-split on purpose
 [[ -n "${GATE_ARGS:-}" ]] && gate_args+=($GATE_ARGS)
@@ -86,19 +126,64 @@ esac
 
 # 3. Golden: what the candidate answers from disk, keyed by its digest.
 step "record golden $OUT/golden.json"
-$PG canary record --model "$CANDIDATE" --out "$OUT/golden.json" --json > "$OUT/golden.key.json" \
+$PG canary record --model "$CANDIDATE" --out "$OUT/golden.json" --json "${DEPLOY_ARGS[@]}" > "$OUT/golden.key.json" \
   || die "golden recording failed (see above)"
 GOLDEN_DIGEST=$(json_field "$OUT/golden.key.json" digest)
 [[ "$GOLDEN_DIGEST" == "$DIGEST" ]] \
   || die "the candidate changed after promotion (golden digest $GOLDEN_DIGEST, promoted $DIGEST); start again"
 
 # 4. Preload: the daemon re-hashes every byte it loads and must prove $DIGEST.
+# A daemon that already serves $DIGEST here under the same settings (an
+# earlier --keep-daemon) is reused; one under other settings is named.
+$PG status --socket-root "$SOCKET_ROOT" --json > "$OUT/status.json" || die "preload-gate status failed"
+REUSE=$(python3 - "$OUT/status.json" "$DIGEST" "${DEPLOY_ARGS[@]}" <<'PY'
+import json, sys
+status, digest, args = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3:]
+flags = {"--dtype": "dtype", "--tensor-parallel-size": "tp_size", "-tp": "tp_size",
+         "--pipeline-parallel-size": "pp_size", "-pp": "pp_size", "--quantization": "quantization",
+         "-q": "quantization", "--kv-cache-dtype": "kv_cache_dtype"}
+alias = {"half": "float16", "float": "float32"}
+want, i = {}, 0
+while i < len(args):
+    name, _, value = args[i].partition("=")
+    if not _ and name in flags:
+        value, i = args[i + 1], i + 1
+    if name in flags:
+        want[flags[name]] = value
+    i += 1
+ranks = [r for r in status.get("ranks", []) if r.get("serving") and r.get("digest") == digest]
+if not ranks:
+    print("none")
+    sys.exit(0)
+for r in ranks:
+    key = r.get("key") or {}
+    for field, value in want.items():
+        have = str(key.get(field))
+        if field == "dtype" and value == "auto":
+            continue
+        if alias.get(value, value) != have:
+            print(f"other pid {r.get('pid')} serves {digest[:16]} with {field}={have}, this promotion wants {value}")
+            sys.exit(0)
+print("reuse " + " ".join(str(r.get("pid")) for r in ranks))
+PY
+) || die "cannot read $OUT/status.json"
+case "$REUSE" in
+  reuse\ *)
+    RANK_PIDS=${REUSE#reuse }
+    python3 -c 'import json,sys; print(json.dumps({"event": "ready", "digest": sys.argv[1], "socket_dir": sys.argv[2],
+      "reused": True, "rank_pids": [int(p) for p in sys.argv[3].split()]}))' "$DIGEST" "$SOCKET_DIR" "$RANK_PIDS" \
+      > "$OUT/daemon.json"
+    echo "reusing the daemon already serving $DIGEST from $SOCKET_DIR with these settings (rank pids $RANK_PIDS)" >&2
+    ;;
+  other\ *) die "a daemon (${REUSE#other }); stop it (kill the pid) or promote with its settings" ;;
+  *)
 step "preload $CANDIDATE (pinned to $DIGEST)"
 preload_args=(preload "$CANDIDATE" --socket-root "$SOCKET_ROOT" --identity pinned --expect-digest "$DIGEST")
 [[ -n "$HEALTH_PORT" ]] && preload_args+=(--health-port "$HEALTH_PORT")
 preload_args+=("${ENGINE_ARGS[@]}")
 : > "$OUT/daemon.ready"
-setsid $PG "${preload_args[@]}" > "$OUT/daemon.ready" 2> "$OUT/daemon.log" < /dev/null &
+# 9>&-: a kept daemon must not inherit (and hold) the promotion lock.
+setsid $PG "${preload_args[@]}" > "$OUT/daemon.ready" 2> "$OUT/daemon.log" < /dev/null 9>&- &
 DAEMON_PID=$!
 stop_daemon() {
   kill -TERM "$DAEMON_PID" 2>/dev/null || return 0
@@ -124,6 +209,8 @@ else
   trap - EXIT
   echo "daemon proved $DIGEST and was stopped (--keep-daemon keeps it for this host's engines)" >&2
 fi
+    ;;
+esac
 
 # 5. The deploy: exact commands, printed and kept next to the golden.
 EVENTS="$OUT/events.jsonl"
@@ -136,6 +223,8 @@ q() {  # shell-quote one word, readably: bare if plain, 'single-quoted' if it ca
 }
 engine_args=""
 for a in "${ENGINE_ARGS[@]}"; do engine_args+=" $(q "$a")"; done
+deploy_args=""
+for a in "${DEPLOY_ARGS[@]}"; do deploy_args+=" $(q "$a")"; done
 {
   echo "# Deploy $CANDIDATE ($DIGEST), promoted $(date -u +%Y-%m-%dT%H:%M:%SZ)."
   echo "# 1. the daemon (once per host; skip if --keep-daemon left it running):"
@@ -145,6 +234,6 @@ for a in "${ENGINE_ARGS[@]}"; do engine_args+=" $(q "$a")"; done
   echo "# 2. each replica (the same engine arguments: dtype and parallelism are part of the cache key):"
   echo "$VLLM_SERVE $(q "$CANDIDATE") --port $SERVE_PORT$engine_args --load-format verified_cache --model-loader-extra-config $(q "$EXTRA")"
   echo "# 3. after every replica start (exit 0 only if it answers exactly as the golden):"
-  echo "$PG canary check --base-url http://127.0.0.1:$SERVE_PORT --golden $(q "$OUT/golden.json") --events-file $(q "$EVENTS")"
+  echo "$PG canary check --base-url http://127.0.0.1:$SERVE_PORT --golden $(q "$OUT/golden.json") --events-file $(q "$EVENTS") --checkpoint $(q "$CANDIDATE")$deploy_args"
 } > "$OUT/deploy.sh"
 cat "$OUT/deploy.sh"

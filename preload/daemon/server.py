@@ -280,6 +280,8 @@ class RankServer:
             return {
                 **self._identity(),
                 "checkpoint": self.checkpoint,
+                # What it holds, so a pipeline re-run can tell "same digest and key" from "same digest".
+                "key": self.key.to_json(),
                 "resident_bytes": 0 if self.released else self.filled.layout.total_bytes,
                 "tensors": len(self.filled.layout.entries),
                 "attached": s.attached, "hits": s.hits, "misses": dict(s.misses),
