@@ -25,14 +25,36 @@ from preload.errors import InsecureSocketError
 DIGEST_PREFIX = 16
 
 
+# Every session of one user must find the same daemons: a login shell, cron,
+# `sudo -u`, `docker exec`, a systemd service. $XDG_RUNTIME_DIR exists in
+# some of them only (and logind removes it at logout), $TMPDIR differs
+# between them, and home directories may be on NFS, where AF_UNIX sockets do
+# not work and paths grow long. So the root is fixed per uid, under /tmp, as
+# tmux (/tmp/tmux-<uid>) and ssh-agent do: the trust checks
+# (ensure_private_dir: a real directory, ours, 0700) refuse one another user
+# planted first, and each daemon watches and repairs its home against
+# age-based /tmp cleaners (preload.daemon.home). A service with PrivateTmp=
+# sees another /tmp: set PRELOAD_GATE_SOCKET_ROOT for it (and its engines).
+SOCKET_ROOT_ENV = "PRELOAD_GATE_SOCKET_ROOT"
+_TMP = "/tmp"
+
+
 def default_socket_root() -> Path:
-    env = os.environ.get("PRELOAD_GATE_SOCKET_ROOT")
+    """``$PRELOAD_GATE_SOCKET_ROOT``, else ``/tmp/preload-gate-<uid>``: the same in every session of a user."""
+    env = os.environ.get(SOCKET_ROOT_ENV)
     if env:
         return Path(env)
+    return Path(_TMP) / f"preload-gate-{os.getuid()}"
+
+
+def legacy_socket_roots() -> list[Path]:
+    """Where releases before the fixed root put daemons ($XDG_RUNTIME_DIR, $TMPDIR), if different."""
+    out = []
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
-        return Path(runtime) / "preload-gate"
-    return Path(tempfile.gettempdir()) / f"preload-gate-{os.getuid()}"
+    if runtime:
+        out.append(Path(runtime) / "preload-gate")
+    out.append(Path(tempfile.gettempdir()) / f"preload-gate-{os.getuid()}")
+    return [p for p in dict.fromkeys(out) if p != default_socket_root()]
 
 
 def socket_dir(digest: str, root: str | os.PathLike[str] | None = None) -> Path:

@@ -111,21 +111,42 @@ def scan(root: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
             continue
         for sock in sorted(d.glob("rank*.sock")):
             s = rank_stats(sock)
-            found.append({"socket": str(sock), "serving": s is not None, **(s or {})})
+            row = {"socket": str(sock), "serving": s is not None, **(s or {})}
+            if s is None:
+                from preload.daemon.lock import lock_holder
+
+                # Stale only when nothing answers AND no live process holds the lock.
+                row["lock_holder"] = lock_holder(d, int(sock.stem.removeprefix("rank")))
+            found.append(row)
     return found
 
 
 def _status(args: argparse.Namespace) -> int:
+    from preload.sockets import default_socket_root, legacy_socket_roots
+
     ranks = scan(args.socket_root)
+    # Daemons of older releases (or another session's $TMPDIR) live elsewhere: name them.
+    elsewhere = [] if args.socket_root else [
+        r for root in legacy_socket_roots() for r in scan(root) if r["serving"]]
     if args.json:
-        print(json.dumps({"ranks": ranks}, indent=2))
+        print(json.dumps({"socket_root": str(args.socket_root or default_socket_root()), "ranks": ranks,
+                          "elsewhere": elsewhere}, indent=2))
         return 0
+    for r in elsewhere:
+        print(f"note: a daemon serves {r['digest'][:16]} under {Path(r['socket']).parent.parent}, not the "
+              f"socket root {default_socket_root()}; engines will not find it: restart it, or set "
+              "PRELOAD_GATE_SOCKET_ROOT to that directory everywhere")
     if not ranks:
-        print("no preload daemons found")
+        print(f"no preload daemons found under {args.socket_root or default_socket_root()}")
         return 0
     for r in ranks:
         if not r["serving"]:
-            print(f"{r['socket']}: not answering (stale socket)")
+            holder = r.get("lock_holder")
+            if holder:
+                print(f"{r['socket']}: not answering, but pid {holder} holds its lock "
+                      "(a daemon starting, or hung): not stale")
+            else:
+                print(f"{r['socket']}: not answering and its lock is free (stale socket)")
             continue
         misses = sum(r["misses"].values())
         print(f"{r['digest'][:16]} rank {r['rank']} pid {r['pid']} {r['stage']}/{r['transport']} "

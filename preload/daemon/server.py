@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from preload import protocol
-from preload.daemon.lock import RankLock
+from preload.daemon.home import HomeWatch, inode_of, unlink_if
+from preload.daemon.lock import RankBusyError, RankLock, socket_answers
 from preload.daemon.stage import Filled
 from preload.errors import PreloadGateError, ProtocolError
 from preload.identity.key import WeightCacheKey
@@ -70,6 +71,24 @@ class RankServer:
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._started = time.time()
+        # The socket file we bound (by inode): stop() removes only that.
+        self._sock_inode: tuple[int, int] | None = None
+        self._home: HomeWatch | None = None
+
+    @property
+    def lock(self) -> RankLock:
+        return self._lock
+
+    def socket_inode(self) -> tuple[int, int] | None:
+        return self._sock_inode
+
+    def on_home_lost(self, reason: str) -> None:
+        """The home watch found another process in our place: stop this
+        process the way an operator would (SIGTERM), so the launcher exits
+        loudly and nothing stays resident unreachable."""
+        import signal
+
+        os.kill(os.getpid(), signal.SIGTERM)
 
     @property
     def key(self) -> WeightCacheKey:
@@ -79,12 +98,21 @@ class RankServer:
         """Bind (replacing a stale socket: we hold the rank's lock) and serve."""
         ensure_private_dir(self.socket_dir)
         if os.path.lexists(self.path):
-            # Holding the lock makes our own socket here stale; a symlink or
-            # another user's file is tampering: refuse, by name (reliability
-            # tests: test_hostile_peers.py).
+            # A symlink or another user's file is tampering: refuse, by name
+            # (reliability tests: test_hostile_peers.py). A socket is stale
+            # only when nothing answers on it, whatever the lock says: a
+            # cleaner may have removed a live daemon's lock file (field case r10).
             verify_socket(self.path)
+            if socket_answers(self.path):
+                raise RankBusyError(f"a live daemon answers on {self.path}; not replacing it")
             os.unlink(self.path)
             log.warning("replaced a stale socket left by a stopped daemon: %s", self.path)
+        self._bind()
+        if HomeWatch.enabled():
+            self._home = HomeWatch(self, self.on_home_lost)
+            self._home.start()
+
+    def _bind(self) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
@@ -92,24 +120,30 @@ class RankServer:
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)
+        self._sock_inode = inode_of(self.path)
         listener.listen(64)
         listener.settimeout(0.2)
-        self._listener = listener
+        previous, self._listener = self._listener, listener
         self._thread = threading.Thread(target=self._accept_loop, name=f"rank{self.global_rank}-accept", daemon=True)
         self._thread.start()
+        if previous is not None:
+            previous.close()  # its accept loop ends; the new one serves
+
+    def rebind(self) -> None:
+        """Bind a fresh socket at ``path`` (the old file was removed under us)."""
+        self._bind()
 
     def stop(self) -> None:
         """Stop accepting, drop connections (watchers see the loss), remove the
         socket, release the lock, free the arena."""
+        if self._home is not None:
+            self._home.stop()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(2.0)
         if self._listener is not None:
             self._listener.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink_if(self.path, self._sock_inode)  # only the socket we bound, never a successor's
         with self._mutex:
             conns = list(self._conns)
         for c in conns:
@@ -121,10 +155,11 @@ class RankServer:
         self.filled.arena.close()
 
     def _accept_loop(self) -> None:
-        assert self._listener is not None
+        listener = self._listener  # each bound socket has its own loop (rebind)
+        assert listener is not None
         while not self._stop.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
