@@ -31,20 +31,22 @@ def env_for(cache: Path) -> dict[str, str]:
 @dataclass
 class Daemon:
     checkpoint: Path
-    root: Path
+    root: Path | None
     cache: Path
     args: tuple[str, ...] = ("--stage", "raw")
     proc: subprocess.Popen | None = None
     ready: dict = field(default_factory=dict)
     output: str = ""
+    # Extra environment (a session's variables); root None: the default socket root.
+    env: dict[str, str] = field(default_factory=dict)
 
     def start(self, timeout: float = 120, expect_ready: bool = True) -> Daemon:
         # stderr to a file: a pipe nobody drains would block a chatty daemon.
         self._err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "preload_gate.cli", "preload", str(self.checkpoint),
-             "--socket-root", str(self.root), *self.args],
-            stdout=subprocess.PIPE, stderr=self._err, env=env_for(self.cache), cwd=REPO,
+             *(["--socket-root", str(self.root)] if self.root is not None else []), *self.args],
+            stdout=subprocess.PIPE, stderr=self._err, env={**env_for(self.cache), **self.env}, cwd=REPO,
         )
         end = time.monotonic() + timeout
         assert self.proc.stdout is not None

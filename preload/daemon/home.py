@@ -59,7 +59,11 @@ class _Home(Protocol):
 
 
 def inode_of(path: str | os.PathLike[str]) -> tuple[int, int] | None:
-    """(dev, ino) of ``path`` itself (not followed); None when absent."""
+    """(dev, ino) of ``path`` itself (not followed); None when absent.
+
+    An identity only while the file is held open (the lock's fd, the bound
+    listener of a socket): a freed inode number can be reused.
+    """
     try:
         st = os.lstat(path)
     except FileNotFoundError:
