@@ -56,7 +56,9 @@ PIPELINE_TIMEOUT_S = 1200
 # fails; its server module is what `vllm serve` runs.
 SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
          "--enforce-eager", "--gpu-memory-utilization", "0.1"]
-ENGINE_ARGS = ["--dtype", "bfloat16", "--max-model-len", "256"]
+# float16, not the checkpoint's bfloat16: the deployment's settings must reach
+# the gate, the golden, the daemon and the printed commands (field case r12).
+ENGINE_ARGS = ["--dtype", "float16", "--max-model-len", "256"]
 
 
 def free_port() -> int:
@@ -206,7 +208,8 @@ def test_pipeline_promotes_gates_records_and_preloads(scene) -> None:
     out = scene["out"]
     digest = scene["digest_new"]
     assert digest != scene["digest_old"]
-    assert json.loads((out / "gate" / "report.json").read_text())["verdict"] == "PASS"
+    report = json.loads((out / "gate" / "report.json").read_text())
+    assert report["verdict"] == "PASS"
     g = load_golden(scene["golden"])
     assert g.digest == digest and g.vllm_version == "0.32.0" and g.engine["load_format"] == "auto"
     assert all(len(p.token_ids) == g.sampling.max_tokens for p in g.prompts)
@@ -215,8 +218,29 @@ def test_pipeline_promotes_gates_records_and_preloads(scene) -> None:
     daemon_cmd, serve_cmd, check_cmd = scene["commands"]
     assert f"--expect-digest {digest}" in daemon_cmd
     assert "--load-format verified_cache" in serve_cmd and f'"expected_digest": "{digest}"' in serve_cmd
-    assert "--dtype bfloat16 --max-model-len 256" in serve_cmd  # the daemon's engine args, part of the cache key
+    assert "--dtype float16 --max-model-len 256" in serve_cmd  # the daemon's engine args, part of the cache key
+    assert "--dtype float16 --max-model-len 256" in check_cmd and f"--checkpoint {Path(scene['new']).resolve()}" in check_cmd
     assert check_cmd.startswith("preload-gate canary check") and str(scene["golden"]) in check_cmd
+
+
+def test_gate_golden_and_daemon_all_ran_at_the_deployments_float16(scene) -> None:
+    """r12: `-- --dtype float16` reaches every step, and each records it."""
+    report = json.loads((scene["out"] / "gate" / "report.json").read_text())
+    (case,) = report["cases"]
+    assert case["settings"]["dtype"] == "float16" and case["settings"]["max_model_len"] == 256
+    assert case["reference"]["resolved_dtype"] == "float16" and case["cached"]["resolved_dtype"] == "float16"
+    g = load_golden(scene["golden"])
+    assert g.settings is not None and (g.settings.dtype, g.settings.max_model_len) == ("float16", 256)
+    assert g.engine["resolved_dtype"] == "float16"
+    assert g.config_digest and g.tokenizer_digest
+    status = subprocess.run([sys.executable, "-m", "preload_gate.cli", "status", "--json", "--socket-root",
+                             str(Path(json.loads((scene["out"] / "daemon.json").read_text())["socket_dir"]).parent)],
+                            capture_output=True, text=True, env=scene["env"], timeout=120, cwd=REPO)
+    (rank,) = [r for r in json.loads(status.stdout)["ranks"] if r["digest"] == scene["digest_new"]]
+    assert rank["key"]["dtype"] == "float16"
+    # control: the same golden is refused for a replica that says it serves bfloat16
+    p = cli(scene, "--base-url", scene["right"].url, "--golden", str(scene["golden"]), "--dtype", "bfloat16")
+    assert p.returncode == 2 and "dtype=float16" in p.stderr and "dtype=bfloat16" in p.stderr
 
 
 def test_switched_replica_passes_the_printed_canary_check(scene) -> None:
