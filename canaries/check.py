@@ -281,7 +281,8 @@ class _Replica:
         if comparison.ok:
             return ReplicaResult(
                 self.base_url, True, "match",
-                f"{shape} match; max |logprob delta| {comparison.max_delta:.4f} (tolerance {self.tolerance:g})",
+                f"{shape} match; max |logprob delta| {comparison.max_delta:.4f} (tolerance {self.tolerance:g})"
+                + ("" if source == "probe" else f"; vLLM version {source}"),
                 model=model, vllm_version=version, max_logprob_delta=comparison.max_delta, version_source=source,
             )
         diff = comparison.difference
