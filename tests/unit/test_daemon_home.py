@@ -251,3 +251,90 @@ def test_files_are_removed_only_by_inode(tmp_path) -> None:
         assert (d / "rank0.lock").read_text() == "other\n"
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ the watch, one pass at a time
+
+class _FakeHome:
+    """What HomeWatch needs of a RankServer: a directory, a bound socket, a lock."""
+
+    def __init__(self, d: Path) -> None:
+        self.socket_dir, self.path = d, d / "rank0.sock"
+        self._lock = RankLock.acquire(d, 0)
+        self.listeners: list[socket.socket] = []
+        self.rebind()
+
+    @property
+    def lock(self) -> RankLock:
+        return self._lock
+
+    def socket_inode(self):
+        return self._inode
+
+    def rebind(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(self.path))
+        s.listen(1)
+        self.listeners.append(s)
+        self._inode = inode_of(self.path)
+
+    def close(self) -> None:
+        for s in self.listeners:
+            s.close()
+        self._lock.release()
+
+
+@pytest.fixture
+def home():
+    from preload.daemon.home import HomeWatch
+
+    d = short_dir("pg-watch-")
+    h = _FakeHome(d)
+    lost: list[str] = []
+    w = HomeWatch(h, lost.append, busy_grace_s=0.0)
+    yield h, w, lost
+    h.close()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_watch_pass_repairs_a_removed_socket_and_changes_nothing_when_intact(home) -> None:
+    h, w, lost = home
+    w.check()
+    assert w.repairs == [] and lost == [] and len(h.listeners) == 1  # control: nothing to do
+    h.path.unlink()
+    w.check()
+    assert len(h.listeners) == 2 and socket_answers(h.path) and lost == []
+    assert "was removed; bound again" in w.repairs[0]
+
+
+def test_watch_pass_stops_the_daemon_when_another_answers_in_its_place(home) -> None:
+    h, w, lost = home
+    h.path.unlink()
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    other.bind(str(h.path))
+    other.listen(1)
+    try:
+        w.check()
+    finally:
+        other.close()
+    assert lost and "another process answers on" in lost[0] and len(h.listeners) == 1
+
+
+def test_watch_pass_stops_the_daemon_when_another_holds_its_lock(home) -> None:
+    import fcntl
+
+    h, w, lost = home
+    (h.socket_dir / "rank0.lock").unlink()
+    fd = os.open(h.socket_dir / "rank0.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another open file: a conflicting holder
+    try:
+        w.check()  # first sight starts the grace period (0 s here)
+        time.sleep(0.01)
+        w.check()
+    finally:
+        os.close(fd)
+    assert lost and "holds" in lost[0]
+    # control: once that holder is gone the lock file is reclaimed, not lost
+    lost.clear()
+    w.check()
+    assert lost == [] and h.lock.holds_path()
