@@ -136,9 +136,9 @@ GOLDEN_DIGEST=$(json_field "$OUT/golden.key.json" digest)
 # A daemon that already serves $DIGEST here under the same settings (an
 # earlier --keep-daemon) is reused; one under other settings is named.
 $PG status --socket-root "$SOCKET_ROOT" --json > "$OUT/status.json" || die "preload-gate status failed"
-REUSE=$(python3 - "$OUT/status.json" "$DIGEST" "${DEPLOY_ARGS[@]}" <<'PY'
+REUSE=$(python3 - "$OUT/status.json" "$DIGEST" "$OUT/golden.json" "${DEPLOY_ARGS[@]}" <<'PY'
 import json, sys
-status, digest, args = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3:]
+status, digest, golden, args = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3], sys.argv[4:]
 flags = {"--dtype": "dtype", "--tensor-parallel-size": "tp_size", "-tp": "tp_size",
          "--pipeline-parallel-size": "pp_size", "-pp": "pp_size", "--quantization": "quantization",
          "-q": "quantization", "--kv-cache-dtype": "kv_cache_dtype"}
@@ -151,6 +151,15 @@ while i < len(args):
     if name in flags:
         want[flags[name]] = value
     i += 1
+from_golden = False
+if want.get("dtype", "auto") == "auto":
+    # "auto" is what the golden's engine resolved it to (the same vLLM, the same config)
+    try:
+        resolved = json.load(open(golden)).get("engine", {}).get("resolved_dtype")
+    except (OSError, ValueError, AttributeError):
+        resolved = None
+    if resolved:
+        want["dtype"], from_golden = resolved, True
 ranks = [r for r in status.get("ranks", []) if r.get("serving") and r.get("digest") == digest]
 if not ranks:
     print("none")
@@ -159,8 +168,8 @@ for r in ranks:
     key = r.get("key") or {}
     for field, value in want.items():
         have = str(key.get(field))
-        if field == "dtype" and value == "auto":
-            continue
+        if field == "dtype" and (value == "auto" or (from_golden and have == "")):
+            continue  # unresolved; or unstated and the daemon holds raw tensors (no dtype of its own)
         if alias.get(value, value) != have:
             print(f"other pid {r.get('pid')} serves {digest[:16]} with {field}={have}, this promotion wants {value}")
             sys.exit(0)
