@@ -44,7 +44,8 @@ def make_golden() -> Golden:
         top = [{str(t): lp, str(t + 1): lp - 2.0} for t, lp in zip(ids, lps, strict=True)]
         prompts.append(GoldenPrompt(f"prompt {i}", [1, 2, 3 + i], ids, "x", lps, top))
     texts = {str(t): f"<{t}>" for p in prompts for t in p.token_ids}
-    return Golden(DIGEST, "0.32.0", Sampling(max_tokens=4, top_logprobs=1), prompts, token_texts=texts)
+    return Golden(DIGEST, "0.32.0", Sampling(max_tokens=4, top_logprobs=1), prompts, token_texts=texts,
+                  config_digest="c" * 64, tokenizer_digest="d" * 64)
 
 
 def completion_body(golden: Golden, edit: dict[tuple[int, int], int] | None = None) -> dict[str, Any]:
@@ -339,6 +340,26 @@ def _write_golden(tmp_path: Path) -> str:
     p = tmp_path / "golden.json"
     p.write_text(json.dumps(make_golden().to_json()))
     return str(p)
+
+
+def test_unkeyed_golden_is_refused_before_any_request(replicas, tmp_path: Path, capsys) -> None:
+    """r02: a golden with no config/tokenizer digest cannot show it describes what is served."""
+    good = replicas("ok")
+    keyed = tmp_path / "keyed.json"
+    keyed.write_text(json.dumps(make_golden().to_json()))
+    unkeyed = tmp_path / "unkeyed.json"
+    doc = make_golden().to_json()
+    doc["config_digest"] = None
+    unkeyed.write_text(json.dumps(doc))
+    base = ["canary", "check", "--timeout", str(TIMEOUT), "--retries", "0", "--base-url", good.url]
+    # Control: the same golden with its keys passes against the same replica.
+    assert cli_main(base + ["--golden", str(keyed)]) == 0
+    capsys.readouterr()
+    n_requests = len(good.requests)
+    assert cli_main(base + ["--golden", str(unkeyed)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config_digest" in err[0] and "canary record" in err[0]
+    assert len(good.requests) == n_requests  # refused before asking anything
 
 
 def test_cli_exit_codes(replicas, tmp_path: Path, capsys) -> None:
