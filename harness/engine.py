@@ -192,7 +192,8 @@ def run_engine(
     if events_path.exists():
         events_path.unlink()
     body = spec.to_json()
-    if spec.extra_config is not None:
+    # Only our loader takes an events file; vLLM's loaders refuse unknown keys.
+    if spec.extra_config is not None and spec.load_format == "verified_cache":
         extra = dict(spec.extra_config)
         extra.setdefault("events_file", str(events_path))
         events_path = Path(extra["events_file"])

@@ -47,10 +47,13 @@ from harness.mutations import (
     EngineSettings,
     GateCase,
     KeyCheck,
+    case_by_name,
     dense_key,
     select_cases,
 )
 from harness.results import CaseResult, GateReport
+from harness.targets import NAMES, get_target
+from harness.targets.base import UNSAFE_CONTROLS_ENV
 from harness.verdict import LOGPROB_TOLERANCE, NOT_RUN, PASS, Expectation, judge
 from preload import _atomic
 from preload.deployment import DeploymentSettings, answer_identity
@@ -58,7 +61,7 @@ from preload.errors import PreloadGateError
 from preload.identity.digest import checkpoint_digest, hash_shards
 from preload.identity.shards import shard_paths
 
-TARGETS = ("verified_cache", "ipc_cache")
+TARGETS = NAMES
 # header_only fingerprints come from the installed vLLM ("auto"); unit tests
 # without vLLM use the labelled reimplementation ("reimpl").
 HEADER_IMPL = "auto"
@@ -224,14 +227,18 @@ def run_gate(opts: GateOptions) -> GateReport:
     t0 = time.monotonic()
     if opts.target not in TARGETS:
         raise GateSetupError(f"unknown target {opts.target!r}; choose one of {', '.join(TARGETS)}")
+    target = get_target(opts.target)
+    forced = getattr(target, "unsafe_identity", None)
+    if forced and not opts.unsafe_identity:  # header_only: our daemon under vLLM's key
+        opts = dataclasses.replace(opts, unsafe_identity=forced)
     candidate = Path(opts.candidate)
     shard_paths(candidate)  # a missing or empty checkpoint is one clear line, before anything runs
     self_test = opts.mutations is not None
     base = Path(opts.base) if (opts.base and self_test) else candidate
     if opts.base:
         shard_paths(opts.base)
-    cases = select_cases(opts.mutations or "all") if self_test else [_promotion_case(opts)]
-    if not self_test and opts.base:
+    cases = select_target_cases(target, opts.mutations or "all") if self_test else [_promotion_case(opts)]
+    if not self_test and opts.base and getattr(target, "uses_daemon_path", False):
         cases.append(_switch_case(opts))
     report = GateReport(
         mode="self-test" if self_test else "promotion",
@@ -244,9 +251,12 @@ def run_gate(opts: GateOptions) -> GateReport:
         tolerance=opts.tolerance,
         vllm_version=vllm_version(),
     )
-    if opts.target == "ipc_cache":
-        _all_not_run(report, cases, "vLLM's own ipc_cache needs CUDA (CUDA IPC handles); "
-                     "this platform has none, so the case was not run")
+    if not getattr(target, "uses_daemon_path", False):
+        from harness.targets.runner import run_target
+
+        if not self_test and opts.base:  # the cache is built from the base: a switch must miss
+            cases = [_switch_case(opts)]
+        run_target(target, opts, cases, report, promotion_candidate=None if self_test else candidate)
         report.seconds = time.monotonic() - t0
         return report
 
@@ -263,6 +273,24 @@ def run_gate(opts: GateOptions) -> GateReport:
             shutil.rmtree(socket_root, ignore_errors=True)
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _child_env(opts: GateOptions) -> dict[str, str]:
+    """The negative controls run only with the test switch; it is set for the
+    gate's own children (daemon, cached engines), never in this process."""
+    if opts.unsafe_identity or opts.unsafe_silent_fallback:
+        return {UNSAFE_CONTROLS_ENV: "1"}
+    return {}
+
+
+def select_target_cases(target: Any, spec: str) -> list[GateCase]:
+    """``all``: the target's own rows (the whole catalogue for ours); else the named rows."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if spec.strip() in ("", "all"):
+        if not target.default_cases:
+            return select_cases("all")
+        names = list(target.default_cases)
+    return [case_by_name(n) for n in names]
 
 
 def _promotion_case(opts: GateOptions) -> GateCase:
@@ -305,7 +333,7 @@ def _run(opts: GateOptions, report: GateReport, cases: list[GateCase], base: Pat
     args = [*d.engine_args(), *([] if d.max_model_len else ["--max-model-len", str(_MAX_MODEL_LEN)])]
     if opts.unsafe_identity:
         args += ["--unsafe-identity", opts.unsafe_identity]
-    daemon = DaemonProcess(str(daemon_ckpt), socket_root, workdir / "daemon.log", args)
+    daemon = DaemonProcess(str(daemon_ckpt), socket_root, workdir / "daemon.log", args, env=_child_env(opts))
     _note(opts, "daemon", f"starting the daemon on {daemon_ckpt}")
     try:
         daemon.start()
@@ -328,7 +356,8 @@ def _run(opts: GateOptions, report: GateReport, cases: list[GateCase], base: Pat
         base_digest = content_digest(opts.base or base)
         for p in switch:
             p.result.daemon_digest = base_digest
-        with DaemonProcess(str(opts.base), socket_root, workdir / "daemon-base.log", args) as d2:
+        with DaemonProcess(str(opts.base), socket_root, workdir / "daemon-base.log", args,
+                           env=_child_env(opts)) as d2:
             promote(str(opts.base), socket_root=socket_root)
             d2.start()
             _run_engines(opts, switch, socket_root, workdir)
@@ -382,7 +411,8 @@ def _prepare(opts: GateOptions, case: GateCase, base: Path, candidate: Path, dae
         extra["unsafe_identity"] = opts.unsafe_identity
     if opts.unsafe_silent_fallback:
         extra["unsafe_silent_fallback"] = True
-    p.cached_spec = EngineSpec(checkpoint=str(cand), load_format="verified_cache", extra_config=extra, **common)
+    p.cached_spec = EngineSpec(checkpoint=str(cand), load_format="verified_cache", extra_config=extra,
+                               env=_child_env(opts), **common)
     return p
 
 

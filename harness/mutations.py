@@ -84,6 +84,8 @@ class GateCase:
     settings: EngineSettings = BASE_SETTINGS
     expected_fields: tuple[str, ...] = ()
     cpu_skip: str = ""
+    # The settings the cache was prepared with (a daemon, a saved sharded state).
+    cache_settings: EngineSettings = BASE_SETTINGS
     key_builder: Callable[[str, EngineSettings], WeightCacheKey] | None = field(
         default=None, compare=False
     )
@@ -91,7 +93,8 @@ class GateCase:
     @property
     def expect(self) -> str:
         """``hit`` when the daemon's resident tensors are exactly what the engine needs."""
-        return "hit" if self.weights_equal and self.settings == BASE_SETTINGS else "miss"
+        same = self.settings == BASE_SETTINGS and self.cache_settings == BASE_SETTINGS
+        return "hit" if self.weights_equal and same else "miss"
 
     @property
     def in_place(self) -> bool:
@@ -161,6 +164,24 @@ SETTING_CASES: tuple[GateCase, ...] = (
 )
 
 CASES: tuple[GateCase, ...] = tuple(_from_recipe(r) for r in MUTATIONS) + SETTING_CASES
+
+# Cases only some targets run (``preload-gate gate --target``): the cache is
+# prepared under other settings than the engine's.
+TARGET_CASES: tuple[GateCase, ...] = (
+    GateCase(
+        "tp_2_to_1", "the base's bytes at TP=1 from a cache prepared at TP=2 (a sharded state saved by two ranks)",
+        recipe=None, weights_equal=True, cache_settings=EngineSettings(tensor_parallel_size=2),
+        expected_fields=("tp_size",),
+    ),
+)
+
+
+def case_by_name(name: str) -> GateCase:
+    """A case of :data:`CASES` or :data:`TARGET_CASES`; unknown names list the known ones."""
+    known = {c.name: c for c in CASES + TARGET_CASES}
+    if name not in known:
+        raise CaseSelectionError(f"unknown mutation {name}; known: {', '.join(known)}")
+    return known[name]
 
 
 def select_cases(spec: str) -> list[GateCase]:

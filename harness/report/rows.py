@@ -12,6 +12,8 @@ def outcome(case: dict[str, Any]) -> str:
     verdict = case.get("verdict") or {}
     if case["status"] == "NOT_RUN":
         return "-"
+    if not verdict.get("outcome") and any(d.startswith("note: no load event") for d in verdict.get("details") or []):
+        return "unproven"  # a cache that records nothing (npcache, sharded_state)
     return verdict.get("outcome") or "none"
 
 

@@ -1,0 +1,33 @@
+"""Gate targets: the weight caches the gate can judge, one module each.
+
+>>> get_target("npcache").checkpoint_format
+'bin'
+"""
+
+from __future__ import annotations
+
+from harness.targets.base import CacheTarget
+from harness.targets.header_only import HeaderOnlyTarget
+from harness.targets.ipc_cache import IpcCacheTarget
+from harness.targets.npcache import NpcacheTarget
+from harness.targets.sharded_state import ShardedStateTarget
+from harness.targets.verified_cache import VerifiedCacheTarget
+from preload.errors import PreloadGateError
+
+TARGETS: dict[str, type[CacheTarget]] = {
+    t.name: t for t in (VerifiedCacheTarget, HeaderOnlyTarget, NpcacheTarget, ShardedStateTarget, IpcCacheTarget)
+}
+NAMES = tuple(TARGETS)
+
+
+class UnknownTargetError(PreloadGateError):
+    """--target named a cache the gate does not know."""
+
+
+def get_target(name: str) -> CacheTarget:
+    if name not in TARGETS:
+        raise UnknownTargetError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}")
+    return TARGETS[name]()
+
+
+__all__ = ["NAMES", "TARGETS", "CacheTarget", "UnknownTargetError", "get_target"]

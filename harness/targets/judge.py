@@ -1,0 +1,62 @@
+"""Verdicts for cache targets: with load events, or on output alone.
+
+A target whose loads record events goes through :func:`harness.verdict.judge`
+unchanged (hit/miss against the gate's own digests, then tokens and
+logprobs). A target that records nothing cannot show what it served, so it
+is judged on its output alone: PASS only when greedy tokens equal ``auto``'s
+and the chosen-token logprobs agree within tolerance; the verdict says the
+hit could not be proven, and lists what the gate knows about the cache
+(what it was built from) as notes, never as proof of what was read.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from harness.mutations import GateCase
+from harness.results import CaseResult
+from harness.targets.base import Served
+from harness.verdict import PASS, Expectation, Verdict, first_difference, judge, max_logprob_diff
+
+if TYPE_CHECKING:
+    from harness.engine import EngineResult
+    from harness.targets.base import CacheTarget
+
+UNPROVEN = "no load event: the hit could not be proven; judged on tokens and logprobs against auto only"
+
+
+def judge_output_only(reference: EngineResult, cached: EngineResult, served: Served, tolerance: float) -> Verdict:
+    """PASS only when the cached engine's output equals ``auto``'s."""
+    v = Verdict(status=PASS)
+    if not reference.ok:
+        v._block("error", f"the auto reference engine failed: {reference.error}")
+    if not cached.ok:
+        v._block("error", f"the cached engine failed: {cached.error}")
+    if reference.ok and cached.ok:
+        diff = first_difference(reference.token_ids, cached.token_ids)
+        if diff is not None:
+            v.first_difference = diff
+            v._block("output_mismatch", f"prompt {diff['prompt']} position {diff['position']}: "
+                                        f"auto {diff['reference']} vs cached {diff['candidate']}")
+        drift = max_logprob_diff(reference, cached)
+        v.max_logprob_diff = drift
+        if drift > tolerance:
+            v._block("logprob_drift", f"chosen-token logprob differs by {drift:.3g} > {tolerance:g}")
+    v.details.append(f"note: {UNPROVEN}")
+    v.details += [f"note: {n}" for n in served.notes]
+    return v
+
+
+def judge_served(target: CacheTarget, case: GateCase, result: CaseResult, served: Served,
+                 tolerance: float) -> Verdict:
+    assert result.reference is not None and result.cached is not None
+    if not (target.records_events and served.events):
+        if target.records_events:
+            served.notes.append("the target records load events, but this load recorded none")
+        return judge_output_only(result.reference, result.cached, served, tolerance)
+    exp = Expectation(outcome=case.expect, candidate_digest=result.candidate_digest,
+                      daemon_digest=result.daemon_digest, ranks=case.settings.tensor_parallel_size,
+                      expected_fields=case.expected_fields)
+    v = judge(exp, result.reference, result.cached, tolerance)
+    v.details += [f"note: {n}" for n in served.notes]
+    return v

