@@ -24,6 +24,7 @@ def sample_matrix() -> dict:
     for c in ours["cases"]:  # ours passes everything that ran
         if c["status"] == "BLOCK":
             c["status"], c["verdict"] = "PASS", dict(c["verdict"], status="PASS", reasons=[], details=[])
+    ours["verdict"] = "PASS"
     theirs = copy.deepcopy(sample_report())
     theirs["target"] = "npcache"
     case = next(c for c in theirs["cases"] if c["name"] == "single_element")
