@@ -61,7 +61,10 @@ class ShardedStateTarget(CacheTarget):
     def served(self, cache: PreparedCache, case: GateCase, candidate: Path, candidate_digest: str,
                result: EngineResult, log: str) -> Served:
         same = candidate_digest == cache.source_digest
-        notes = [f"the engine reads only {', '.join(cache.info['files'])} in {cache.location}, saved at "
+        # vLLM globs model-rank-{rank}-part-*: each engine rank reads its own rank's files only.
+        ranks = range(case.settings.tensor_parallel_size)
+        read = [f for f in cache.info["files"] if any(f.startswith(f"model-rank-{r}-part-") for r in ranks)]
+        notes = [f"the engine reads only {', '.join(read) or 'nothing'} in {cache.location}, saved at "
                  f"TP={cache.info['tp']} from content {cache.source_digest[:16]} "
                  f"({'the candidate' if same else 'NOT the candidate, ' + candidate_digest[:16]})"]
         warned = sorted(set(_WARNINGS.findall(log)))
