@@ -54,6 +54,7 @@ from harness.mutations import (
 from harness.results import CaseResult, GateReport
 from harness.targets import NAMES, get_target
 from harness.targets.base import UNSAFE_CONTROLS_ENV
+from harness.targets.checkpoints import weight_files
 from harness.verdict import LOGPROB_TOLERANCE, NOT_RUN, PASS, Expectation, judge
 from preload import _atomic
 from preload.deployment import DeploymentSettings, answer_identity
@@ -232,11 +233,11 @@ def run_gate(opts: GateOptions) -> GateReport:
     if forced and not opts.unsafe_identity:  # header_only: our daemon under vLLM's key
         opts = dataclasses.replace(opts, unsafe_identity=forced)
     candidate = Path(opts.candidate)
-    shard_paths(candidate)  # a missing or empty checkpoint is one clear line, before anything runs
+    weight_files(candidate)  # a missing or empty checkpoint is one clear line, before anything runs
     self_test = opts.mutations is not None
     base = Path(opts.base) if (opts.base and self_test) else candidate
     if opts.base:
-        shard_paths(opts.base)
+        weight_files(opts.base)
     cases = select_target_cases(target, opts.mutations or "all") if self_test else [_promotion_case(opts)]
     if not self_test and opts.base and getattr(target, "uses_daemon_path", False):
         cases.append(_switch_case(opts))
