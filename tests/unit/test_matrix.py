@@ -73,3 +73,19 @@ def test_matrix_page_renders_in_headless_chromium(tmp_path):
     bad = tmp_path / "bad.html"
     bad.write_text(page.read_text().replace("</body>", '<script>console.error("boom")</script></body>'))
     assert _console_errors(_render(browser, bad, tmp_path / "bad.png")), "console check saw nothing"
+
+
+def test_demo_writes_the_matrix_page_and_each_targets_report(tmp_path, capsys):
+    # ipc_cache alone runs no engine here (no CUDA): the demo's plumbing end to end in seconds.
+    from harness.demo import run_demo
+    from harness.targets.ipc_cache import missing_requirements
+
+    if not missing_requirements():
+        pytest.skip("this machine would run vLLM's ipc_cache for real")
+    rc = run_demo(model="tiny", report_dir=str(tmp_path / "r"), workdir=str(tmp_path / "w"),
+                  targets=("ipc_cache",))
+    assert rc == 2  # our cache was not among the targets: the demo could not judge it
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert "ipc_cache/report.html" in page and page.count('class="verdict NOT_RUN"') >= 4
+    assert (tmp_path / "r" / "ipc_cache" / "report.json").is_file()
+    assert "NOT_RUN" in capsys.readouterr().out
