@@ -17,6 +17,7 @@ output against ``auto``.
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,12 @@ class NpcacheTarget(CacheTarget):
                 timeout_s=engine_timeout_s)
         return PreparedCache(settings, base / "np", file_digest(base), info={"dump": dump_digest(base),
                                                                             "before": {}})
+
+    def place(self, cache: PreparedCache, candidate: Path) -> None:
+        """A candidate given as is (promotion) gets the base's dump, as a directory
+        copied from the served base would; candidates made from the base carry it."""
+        if not (candidate / "np").exists():
+            shutil.copytree(cache.location, candidate / "np", copy_function=shutil.copy2)
 
     def cached_spec(self, cache: PreparedCache, case: GateCase, candidate: Path,
                     common: dict[str, Any]) -> EngineSpec:
