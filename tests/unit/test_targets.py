@@ -198,3 +198,25 @@ def test_a_recipe_gives_the_same_values_in_both_formats(row, tiny_ckpt, tmp_path
     by_name(row).transform(st)
     bin_transform(by_name(row).transform)(b)
     assert values_digest(st) == values_digest(b) != values_digest(tiny_ckpt)
+
+
+def test_npcache_place_gives_a_bare_candidate_the_bases_dump_and_leaves_a_carried_one(tmp_path):
+    from harness.mutations import BASE_SETTINGS
+    from harness.targets.base import PreparedCache
+    from harness.targets.npcache import dump_digest
+
+    base = tmp_path / "base"
+    (base / "np").mkdir(parents=True)
+    (base / "np" / "weight_names.json").write_text('["w"]')
+    (base / "np" / "w").write_bytes(b"base")
+    cache = PreparedCache(BASE_SETTINGS, base / "np", "0" * 64)
+    bare, carried = tmp_path / "bare", tmp_path / "carried"
+    bare.mkdir()
+    (carried / "np").mkdir(parents=True)
+    (carried / "np" / "weight_names.json").write_text('["w"]')
+    (carried / "np" / "w").write_bytes(b"own")
+    t = get_target("npcache")
+    t.place(cache, bare)
+    t.place(cache, carried)
+    assert dump_digest(bare) == dump_digest(base)
+    assert dump_digest(carried) != dump_digest(base)  # control: a dump already there is kept
