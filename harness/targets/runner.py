@@ -121,6 +121,10 @@ def run_target(target: CacheTarget, opts: Any, cases: list[GateCase], report: Ga
             s = it.case.settings
             common: dict[str, Any] = {"dtype": s.dtype, "tensor_parallel_size": s.tensor_parallel_size,
                                       "data_parallel_size": s.data_parallel_size}
+            dep = getattr(it.case, "deployment", None)  # promotion: the deployment's engine settings
+            if dep is not None:
+                common.update(pipeline_parallel_size=dep.pipeline_parallel_size, quantization=dep.quantization,
+                              kv_cache_dtype=dep.kv_cache_dtype, max_model_len=dep.max_model_len or 256)
             it.reference_spec = EngineSpec(checkpoint=str(cand), **common)
             it.cached_spec = target.cached_spec(it.cache, it.case, cand, common)
         _run_engines(target, opts, [it for it in items if it.cached_spec is not None], workdir, note)
