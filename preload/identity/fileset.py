@@ -141,12 +141,31 @@ def mirror_selection(checkpoint: str | os.PathLike[str], load_format: str = "aut
     return FileSet(Path(folder), _sorted_names(files), use_st, index_file, "mirror")
 
 
+def _import_vllm_loader() -> None:
+    """Import vLLM's loader; when this process has not imported vLLM yet (a
+    CLI verb), its import-time notices (Triton probing) are kept off the
+    terminal, so a bad checkpoint is still one line."""
+    import sys
+
+    if "vllm" in sys.modules:
+        import vllm.model_executor.model_loader.default_loader  # noqa: F401
+        return
+    import logging
+
+    saved = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        import vllm.model_executor.model_loader.default_loader  # noqa: F401
+    finally:
+        logging.disable(saved)
+
+
 def _vllm_wanted() -> bool:
     choice = os.environ.get(ENV_SOURCE, "auto")
     if choice == "mirror":
         return False
     try:
-        import vllm.model_executor.model_loader.default_loader  # noqa: F401
+        _import_vllm_loader()
     except ImportError:
         if choice == "vllm":
             raise
