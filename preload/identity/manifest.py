@@ -129,8 +129,11 @@ def default_cache_dir() -> Path:
     return Path(base) / "preload-gate"
 
 
-def manifest_path(checkpoint: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    real = os.path.realpath(checkpoint)
+def manifest_path(checkpoint: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None,
+                  resolve: bool = True) -> Path:
+    """Where the manifest of ``checkpoint`` lives: keyed by its real path
+    (``resolve=False``: by the absolute path as given, no I/O)."""
+    real = os.path.realpath(checkpoint) if resolve else os.path.abspath(checkpoint)
     key = hashlib.sha256(real.encode()).hexdigest()
     return Path(cache_dir or default_cache_dir()) / "manifests" / f"{key}.json"
 
@@ -203,14 +206,19 @@ def write_manifest(manifest: Manifest, cache_dir: str | os.PathLike[str] | None 
 def load_manifest(
     checkpoint: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None
 ) -> Manifest | None:
-    path = manifest_path(checkpoint, cache_dir)
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise ManifestError(f"unreadable manifest {path}: {exc}") from exc
-    return Manifest.from_json(obj)
+    # The path as given first: resolving it costs an lstat, a round trip on
+    # remote storage. A hit is safe: the directory's stat (dev, ino) in the
+    # manifest is checked through that same path, so a path that now leads
+    # elsewhere reads as stale. A symlinked path falls back to the real one.
+    for path in (manifest_path(checkpoint, cache_dir, resolve=False), manifest_path(checkpoint, cache_dir)):
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as exc:
+            raise ManifestError(f"unreadable manifest {path}: {exc}") from exc
+        return Manifest.from_json(obj)
+    return None
 
 
 @dataclass(frozen=True)
