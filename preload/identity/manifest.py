@@ -210,7 +210,8 @@ def load_manifest(
     # remote storage. A hit is safe: the directory's stat (dev, ino) in the
     # manifest is checked through that same path, so a path that now leads
     # elsewhere reads as stale. A symlinked path falls back to the real one.
-    for path in (manifest_path(checkpoint, cache_dir, resolve=False), manifest_path(checkpoint, cache_dir)):
+    for resolve in (False, True):
+        path = manifest_path(checkpoint, cache_dir, resolve=resolve)
         try:
             obj = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:

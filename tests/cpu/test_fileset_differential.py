@@ -207,7 +207,13 @@ def test_promote_hashes_exactly_vllms_files_or_refuses_in_one_line(corpus, tmp_p
             assert str(info.value) == str(exc) and "\n" not in str(exc)
             refused += 1
             continue
-        m = build_manifest(d, progress=False)
+        try:
+            m = build_manifest(d, progress=False)
+        except CheckpointError as exc:
+            # A symlinked shard holds the same tensors as its target: refused by name.
+            assert "is stored in both" in str(exc) and (d / "alias.safetensors").is_symlink(), exc
+            refused += 1
+            continue
         assert tuple(s.name for s in m.shards) == want.files, d.name
         assert m.selection.startswith("vllm ")
         promoted += 1
