@@ -72,6 +72,11 @@ def torch_shape(info: TensorInfo, shard: str) -> tuple[int, ...]:
     form = _library_torch_form(info.dtype)
     if form is None or form[1] == 1 or not info.shape:
         return info.shape
+    if info.shape[-1] % form[1]:
+        # The library will not load it either (found by tests/unit/test_identity_headers.py).
+        raise CheckpointError(f"tensor {info.name!r}: {info.dtype} packs {form[1]} values per element; the "
+                              f"last dimension {info.shape[-1]} does not divide, the safetensors library "
+                              "cannot load it into torch", shard)
     return (*info.shape[:-1], info.shape[-1] // form[1])
 
 
