@@ -392,6 +392,12 @@ def _prepare(opts: GateOptions, case: GateCase, base: Path, candidate: Path, dae
 
             promote(staged, socket_root=socket_root)
         cand = case.recipe.apply(staged, workdir / "cand")
+        if not case.recipe.in_place:
+            # An operator promotes what they serve; engines never hash or
+            # write manifests (a missing one is a miss, issue 11).
+            from preload.promote import promote
+
+            promote(cand, socket_root=socket_root)
         res.fingerprints = _fingerprints(base, cand, prints)
     else:
         cand = candidate if not self_test else base

@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _promote(args: argparse.Namespace) -> int:
-    from preload.promote import promote
+    from preload.promote import promote, sha256sum_command
 
     result = promote(args.checkpoint, socket_root=args.socket_root, cache_dir=args.cache_dir, workers=args.workers)
     if args.json:
@@ -31,6 +31,8 @@ def _promote(args: argparse.Namespace) -> int:
         print(f"manifest    {result.manifest_path}")
         for s in result.manifest.shards:
             print(f"  {s.sha256}  {s.name}  ({s.size} bytes)")
+        print(f"files from  {result.manifest.selection}")
+        print(f"reproduce   {sha256sum_command(result.manifest)}")
     return 0
 
 

@@ -203,14 +203,15 @@ def _make_loader_class() -> type:
 
                 log.warning("UNSAFE: unsafe_identity=header_only: keying the cache by vLLM's header-only hash")
                 return header_only_digest(model_config.model)
-            from preload.identity.manifest import resolve_digest
+            from preload.identity.manifest import StaleManifestError, resolve_digest
 
             try:
                 res = resolve_digest(model_config.model, mode=opts.identity, expected_digest=opts.expected_digest)
-            except (ManifestError, CheckpointError, ValueError) as exc:
+            except (StaleManifestError, CheckpointError) as exc:
+                # Stale manifest or a file set the cache cannot serve: a named miss (never a re-hash).
+                raise _Miss("miss", str(exc), cause=exc) from exc
+            except (ManifestError, ValueError) as exc:
                 raise _Miss("error", f"cannot resolve the checkpoint digest: {exc}", cause=exc) from exc
-            if res.stale_reason:
-                log.warning("preload-gate: manifest was stale (%s); re-hashed the checkpoint", res.stale_reason)
             return res.digest
 
         def _load_cached(self, vllm_config: Any, model_config: Any, prefix: str, ranks: dict[str, int],

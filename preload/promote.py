@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,26 @@ class Promotion:
             "shards": [
                 {"name": s.name, "size": s.size, "sha256": s.sha256} for s in self.manifest.shards
             ],
+            # Exactly the files hashed (vLLM's own selection), and the
+            # coreutils command that reproduces the digest for this folder.
+            "files": [s.name for s in self.manifest.shards],
+            "selection": self.manifest.selection,
+            "sha256sum_command": sha256sum_command(self.manifest),
         }
+
+
+def sha256sum_command(manifest: Manifest) -> str:
+    """The shell command that prints ``manifest.digest`` with coreutils alone.
+
+    The files are named one by one, in byte order, so the command is right
+    for any layout (a glob would also hash files vLLM does not read, such as a
+    ``consolidated.safetensors`` beside indexed shards).
+
+    >>> sha256sum_command(promote("/models/m").manifest)  # doctest: +SKIP
+    '(cd /models/m && sha256sum -- model.safetensors) | sha256sum'
+    """
+    names = " ".join(shlex.quote(s.name) for s in manifest.shards)
+    return f"(cd {shlex.quote(manifest.checkpoint)} && sha256sum -- {names}) | sha256sum"
 
 
 def promote(

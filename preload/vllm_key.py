@@ -27,9 +27,23 @@ def _digest(obj: Any) -> str | None:
 
 
 def _rope(hf_config: Any) -> dict[str, Any] | None:
-    rope = {k: getattr(hf_config, k, None) for k in ("rope_theta", "rope_scaling", "rope_parameters")}
+    # max_position_embeddings sizes the cached rotary buffers (vLLM 0.33 keys it too).
+    keys = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
+    rope = {k: getattr(hf_config, k, None) for k in keys}
     rope = {k: v for k, v in rope.items() if v is not None}
     return rope or None
+
+
+def _quant(hf_config: Any, model_config: Any) -> dict[str, Any] | None:
+    """The checkpoint's quantization config and the runtime one (``--hf-overrides``
+    or ``quantization_config`` engine args), as vLLM 0.33 keys both."""
+    ckpt: Any = getattr(hf_config, "quantization_config", None)
+    if ckpt is not None and hasattr(ckpt, "to_dict"):
+        ckpt = ckpt.to_dict()
+    runtime = getattr(model_config, "quantization_config", None)
+    if ckpt is None and runtime is None:
+        return None
+    return {"checkpoint": ckpt, "runtime": runtime}
 
 
 def export_stage_for(device_type: str) -> str:
@@ -71,16 +85,29 @@ def key_from_vllm(
     model_config = vllm_config.model_config
     hf_config = model_config.hf_config
     is_moe = bool(getattr(model_config, "is_moe", False))
-    quant = getattr(hf_config, "quantization_config", None)
+    text_config = getattr(model_config, "hf_text_config", None) or hf_config
+    kernel = getattr(vllm_config, "kernel_config", None)
+    parallel = vllm_config.parallel_config
+    spec = getattr(vllm_config, "speculative_config", None)
     return WeightCacheKey(
         content_digest=content_digest,
         config_digest=config_digest(model_config.model),
         architecture=",".join(getattr(hf_config, "architectures", None) or []),
         dtype=dtype_name(model_config.dtype),
         quantization=model_config.quantization,
-        quant_config_digest=_digest(quant),
-        rope_digest=_digest(_rope(hf_config)),
+        quant_config_digest=_digest(_quant(hf_config, model_config)),
+        rope_digest=_digest(_rope(text_config)),
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        kv_cache_dtype_skip_layers=json.dumps(
+            sorted(set(getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None) or []))),
+        # A daemon built from this config holds the target model; a draft
+        # model's config would name it as the speculative draft.
+        is_draft=bool(spec is not None and getattr(spec, "draft_model_config", None) is model_config),
+        expert_placement_strategy=str(getattr(parallel, "expert_placement_strategy", "linear")),
+        moe_backend=str(getattr(kernel, "moe_backend", "auto")),
+        linear_backend=str(getattr(kernel, "linear_backend", "auto")),
+        linear_backend_per_quant=json.dumps(
+            sorted([str(k), str(v)] for k, v in (getattr(kernel, "linear_backend_per_quant", None) or {}).items())),
         tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size, pp_rank=pp_rank,
         dp_size=dp_size if is_moe else 1, dp_rank=dp_rank if is_moe else 0,
         enable_expert_parallel=bool(vllm_config.parallel_config.enable_expert_parallel),

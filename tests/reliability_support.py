@@ -168,8 +168,8 @@ def _dtype_mismatch(raw: bytes) -> bytes:
 @dataclass(frozen=True)
 class BadCheckpoint:
     """One way a shard can lie; ``problem`` is a regex the error must match
-    (the promotion's header check and the daemon's byte proof word it
-    differently; both must say what is wrong)."""
+    (the safetensors library words the header problems, issue 11; the
+    daemon's byte proof words the rest; both must say what is wrong)."""
 
     name: str
     corrupt: Callable[[bytes], bytes]
@@ -177,16 +177,16 @@ class BadCheckpoint:
 
 
 BAD_CHECKPOINTS = (
-    BadCheckpoint("truncated_shard", _truncate_data, r"past the end of the file|ended early"),
-    BadCheckpoint("truncated_header", _truncate_header, r"truncated header|ended early \(5 of 8 bytes"),
+    BadCheckpoint("truncated_shard", _truncate_data, r"past the end of the file|ended early|file not fully covered"),
+    BadCheckpoint("truncated_header", _truncate_header, r"truncated header|ended early \(5 of 8 bytes|header too small"),
     BadCheckpoint("header_len_beyond_file", _header_len_beyond_file,
-                  r"runs past the end of the file|header length \d+ for a \d+-byte file"),
-    BadCheckpoint("overlapping_offsets", _overlap, r"overlap"),
-    BadCheckpoint("offsets_past_end", _past_end, r"past the end of the file"),
-    BadCheckpoint("non_utf8_header", _non_utf8, r"not UTF-8"),
-    BadCheckpoint("non_json_header", _non_json, r"not (UTF-8 )?JSON"),
-    BadCheckpoint("shape_not_matching_bytes", _shape_mismatch, r"needs \d+ bytes"),
-    BadCheckpoint("dtype_not_matching_bytes", _dtype_mismatch, r"needs \d+ bytes"),
+                  r"runs past the end of the file|header length \d+ for a \d+-byte file|invalid header length"),
+    BadCheckpoint("overlapping_offsets", _overlap, r"overlap|invalid offset for tensor"),
+    BadCheckpoint("offsets_past_end", _past_end, r"past the end of the file|invalid offset for tensor"),
+    BadCheckpoint("non_utf8_header", _non_utf8, r"not UTF-8|invalid UTF-8"),
+    BadCheckpoint("non_json_header", _non_json, r"not (UTF-8 )?JSON|invalid JSON"),
+    BadCheckpoint("shape_not_matching_bytes", _shape_mismatch, r"needs \d+ bytes|invalid shape, data type, or offset"),
+    BadCheckpoint("dtype_not_matching_bytes", _dtype_mismatch, r"needs \d+ bytes|invalid shape, data type, or offset"),
 )
 
 BAD_SHARD = "model-00002-of-00002.safetensors"

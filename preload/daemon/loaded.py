@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from preload.checksum import resident_checksums
-from preload.daemon.proof import ProvenShard, check_digest, torch_dtype
+from preload.daemon.proof import ProvenShard, check_digest, torch_dtype, torch_shape
 from preload.daemon.stage import Filled
 from preload.errors import CheckpointError, PreloadGateError
 from preload.identity.manifest import Manifest
-from preload.identity.shards import shard_paths
+from preload.identity.shards import check_unique_tensors, read_header, shard_paths
 from preload.transports.base import Layout, Transport
 
 if TYPE_CHECKING:
@@ -49,6 +49,8 @@ class ProvenWeights:
 
     def __init__(self, checkpoint: str) -> None:
         self.paths = shard_paths(checkpoint)
+        # A tensor in two files resolves by directory order in vLLM: refused.
+        check_unique_tensors(read_header(p) for p in self.paths)
         self.digests: dict[str, str] = {}
         self.bytes_read = 0
         # Arena views a checkpoint tensor can be read straight into (same name,
@@ -64,7 +66,7 @@ class ProvenWeights:
                 for info in shard.tensors:
                     target = self.direct.get(info.name)
                     if target is not None and target.dtype == torch_dtype(info, shard.name) \
-                            and tuple(target.shape) == info.shape:
+                            and tuple(target.shape) == torch_shape(info, shard.name):
                         shard.read_into(info, target)
                         self.direct_reads += 1
                         # The weight loader copies it onto itself (a no-op).

@@ -10,6 +10,7 @@ a previous read, a manifest or a file's stat.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -22,25 +23,61 @@ import torch
 from preload.errors import CheckpointError, DigestMismatchError
 from preload.identity.digest import checkpoint_digest
 from preload.identity.manifest import Manifest
-from preload.identity.shards import MAX_HEADER_BYTES, ShardHeader, TensorInfo
-from preload.identity.shards import _validate as _validate_header
+from preload.identity.shards import (
+    MAX_HEADER_BYTES,
+    ShardHeader,
+    TensorInfo,
+    library_view,
+    parse_accepted,
+)
 
 CHUNK_BYTES = 8 << 20
 
-# safetensors dtype -> torch dtype, for the formats torch can hold.
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
+@functools.cache
+def _library_torch_form(dtype: str) -> tuple[torch.dtype, int] | None:
+    """The torch dtype the safetensors library loads ``dtype`` as, and how many
+    file elements one torch element packs (2 for ``F4``), asked of the library
+    (``safe_open(framework="pt").get_tensor``, as vLLM's loader reads) on an
+    eight-element file; None when the library cannot load it into torch."""
+    import tempfile
+
+    from safetensors import safe_open
+
+    with tempfile.TemporaryDirectory(prefix="pg-dtype-") as tmp:
+        path = os.path.join(tmp, "probe.safetensors")
+        for nbytes in range(1, 65):
+            blob = json.dumps({"t": {"dtype": dtype, "shape": [8], "data_offsets": [0, nbytes]}}).encode()
+            with open(path, "wb") as f:
+                f.write(struct.pack("<Q", len(blob)) + blob + bytes(nbytes))
+            try:
+                with safe_open(path, framework="pt") as st:
+                    t = st.get_tensor("t")
+            except Exception:
+                continue
+            return t.dtype, 8 // max(1, int(t.shape[-1]))
+    return None
 
 
 def torch_dtype(info: TensorInfo, shard: str) -> torch.dtype:
-    try:
-        return SAFETENSORS_DTYPES[info.dtype]
-    except KeyError:
-        raise CheckpointError(f"tensor {info.name!r}: dtype {info.dtype} has no torch equivalent", shard) from None
+    form = _library_torch_form(info.dtype)
+    if form is None:
+        raise CheckpointError(f"tensor {info.name!r}: the safetensors library cannot load dtype {info.dtype} "
+                              "into torch", shard)
+    return form[0]
+
+
+def torch_shape(info: TensorInfo, shard: str) -> tuple[int, ...]:
+    """``info.shape`` as the library's torch tensor has it (packed dtypes
+    shrink the last dimension)."""
+    form = _library_torch_form(info.dtype)
+    if form is None or form[1] == 1 or not info.shape:
+        return info.shape
+    if info.shape[-1] % form[1]:
+        # The library will not load it either (found by tests/unit/test_identity_headers.py).
+        raise CheckpointError(f"tensor {info.name!r}: {info.dtype} packs {form[1]} values per element; the "
+                              f"last dimension {info.shape[-1]} does not divide, the safetensors library "
+                              "cannot load it into torch", shard)
+    return (*info.shape[:-1], info.shape[-1] // form[1])
 
 
 class ProvenShard:
@@ -50,6 +87,9 @@ class ProvenShard:
         self.path = Path(path)
         self.name = self.path.name
         self._sha = hashlib.sha256()
+        # Validity is the safetensors library's answer; placement follows the
+        # header bytes hashed below, which must agree with the library's view.
+        library = library_view(self.path, self.name)
         try:
             self._f = open(self.path, "rb", buffering=0)
         except OSError as exc:
@@ -61,14 +101,9 @@ class ProvenShard:
             if header_len > MAX_HEADER_BYTES or 8 + header_len > self.size:
                 raise CheckpointError(f"bad header length {header_len} for a {self.size}-byte file", self.name)
             raw = self._read(header_len)
-            try:
-                obj = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError) as exc:
-                raise CheckpointError(f"header is not UTF-8 JSON: {exc}", self.name) from exc
-            if not isinstance(obj, dict):
-                raise CheckpointError("header is not a JSON object", self.name)
             # The header we place tensors by is the header we hashed.
-            self.header: ShardHeader = _validate_header(self.name, str(self.path), self.size, header_len, obj)
+            self.header: ShardHeader = parse_accepted(self.name, str(self.path), self.size, header_len, raw,
+                                                      library)
         except BaseException:
             self._f.close()
             raise
@@ -91,13 +126,15 @@ class ProvenShard:
         same byte size, any device) and hash them; tensors must come in file order."""
         if info.begin != self._pos:
             raise CheckpointError(f"tensor {info.name!r} read out of file order", self.name)
-        flat = target.reshape(-1).view(torch.uint8) if target.numel() else target.view(torch.uint8)
+        flat = target.reshape(-1).view(torch.uint8)
         if flat.numel() != info.nbytes:
             raise CheckpointError(
                 f"tensor {info.name!r}: destination holds {flat.numel()} bytes, file has {info.nbytes}",
                 self.name,
             )
-        if flat.device.type == "cpu":
+        if info.nbytes == 0:
+            pass  # zero-size dimension: nothing to read (found by tests/unit/test_identity_headers.py)
+        elif flat.device.type == "cpu":
             self._fill(flat.numpy().data, info)
         else:
             # Devices cannot be read into; stage through one reused host chunk.
@@ -122,7 +159,7 @@ class ProvenShard:
 
     def read_tensor(self, info: TensorInfo) -> torch.Tensor:
         """A fresh CPU tensor holding ``info`` (for loaders that copy)."""
-        out = torch.empty(info.shape, dtype=torch_dtype(info, self.name))
+        out = torch.empty(torch_shape(info, self.name), dtype=torch_dtype(info, self.name))
         self.read_into(info, out)
         return out
 

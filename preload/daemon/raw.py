@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 
 from preload.checksum import resident_checksums
-from preload.daemon.proof import ProvenShard, check_digest, torch_dtype
+from preload.daemon.proof import ProvenShard, check_digest, torch_dtype, torch_shape
 from preload.daemon.stage import Filled
 from preload.daemon.tp_slice import plan_slices, read_slice
 from preload.errors import CheckpointError
 from preload.identity.key import WeightCacheKey
 from preload.identity.manifest import Manifest, config_digest
-from preload.identity.shards import shard_paths
+from preload.identity.shards import duplicate_message, shard_paths
 from preload.transports.base import Layout, Transport
 
 
@@ -61,16 +61,18 @@ def fill_raw(
     start = time.perf_counter()
     shards: list[ProvenShard] = []
     try:
-        for path in shard_paths(checkpoint):
+        # No vLLM here: the mirror of its file selection, proven equal by
+        # tests/cpu/test_fileset_differential.py.
+        for path in shard_paths(checkpoint, prefer_vllm=False):
             shards.append(ProvenShard(path))
         specs = []
         seen: dict[str, str] = {}
         for sh in shards:
             for t in sh.tensors:
                 if t.name in seen:
-                    raise CheckpointError(f"tensor {t.name!r} also appears in {seen[t.name]}", sh.name)
+                    raise CheckpointError(duplicate_message(t.name, seen[t.name], sh.name))
                 seen[t.name] = sh.name
-                specs.append((t.name, torch_dtype(t, sh.name), t.shape, "param"))
+                specs.append((t.name, torch_dtype(t, sh.name), torch_shape(t, sh.name), "param"))
         slices = plan_slices(checkpoint, [(n, shape) for n, _, shape, _ in specs], tp_size, tp_rank)
         specs = [(n, d, slices[n].local_shape(shape, tp_size, tp_rank), k) for n, d, shape, k in specs]
         layout = Layout.plan(specs)

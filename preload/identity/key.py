@@ -44,6 +44,14 @@ class WeightCacheKey:
     dp_size: int = 1
     dp_rank: int = 0
     enable_expert_parallel: bool = False
+    # vLLM 0.33's key fields that change what a rank holds (see
+    # tests/unit/test_identity_key_fields.py for the field-by-field table).
+    expert_placement_strategy: str = "linear"
+    kv_cache_dtype_skip_layers: str = "[]"  # JSON of the sorted layer names
+    is_draft: bool = False
+    moe_backend: str = "auto"
+    linear_backend: str = "auto"
+    linear_backend_per_quant: str = "[]"  # JSON of sorted [quant, backend] pairs
     kernel_backend: str = "auto"
     export_stage: str = "loaded"
     transport: str = "shm"

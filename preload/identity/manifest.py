@@ -8,11 +8,17 @@ with different weights.
 
 At restart the digest is resolved in one of three modes:
 
-- ``stat`` (default): list the directory and stat every shard (no shard is
-  opened). Any difference from the manifest means it is stale; the content
-  is then re-hashed (``on_stale="rehash"``) or the cache is refused
-  (``on_stale="refuse"``). A stale manifest is never trusted. ``ctime``
-  cannot be set from user space, so an edit that restores ``mtime`` is seen.
+- ``stat`` (default): stat the checkpoint directory, the index vLLM
+  consults and every shard, all at once (one thread per stat, so the cost is
+  one round trip, not one per shard); no file is opened. Any difference from
+  the manifest means it is stale, and a stale or missing manifest is a
+  :class:`StaleManifestError` naming what changed and the command to run:
+  an engine never re-hashes the checkpoint or rewrites the manifest, since
+  re-promotion is an operator's act. The directory's own stat changes when
+  a file is added, removed or renamed, which is how a change of vLLM's file
+  set (a new ``consolidated.safetensors``) is seen without listing it.
+  ``ctime`` cannot be set from user space, so an edit that restores
+  ``mtime`` is seen.
 - ``pinned``: the operator passes the digest printed at promotion; no
   checkpoint I/O at all. The daemon still proves its bytes hash to it.
 - ``full``: re-hash every byte.
@@ -30,9 +36,12 @@ from pathlib import Path
 from preload import _atomic
 from preload.errors import CheckpointError, ManifestError
 from preload.identity.digest import checkpoint_digest, hash_shards
-from preload.identity.shards import INDEX_NAME, read_header, shard_paths
+from preload.identity.fileset import select_files, servable
+from preload.identity.shards import INDEX_NAME, check_unique_tensors, read_header, shard_paths
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+# Stats in flight at once; each waits one round trip on remote storage.
+MAX_STATS_IN_FLIGHT = 1024
 MODES = ("stat", "pinned", "full")
 
 
@@ -66,6 +75,11 @@ class Manifest:
     config_digest: str | None
     shards: tuple[ShardRecord, ...]
     index_stat: FileStat | None
+    # The directory's own stat (entries added, removed, renamed), the index
+    # vLLM consults for this file set, and who picked the files.
+    dir_stat: FileStat | None = None
+    index_file: str = INDEX_NAME
+    selection: str = ""
     created: float = field(default_factory=time.time)
     version: int = MANIFEST_VERSION
 
@@ -76,7 +90,9 @@ class Manifest:
     def from_json(cls, obj: dict) -> Manifest:
         try:
             if obj["version"] != MANIFEST_VERSION:
-                raise ManifestError(f"manifest version {obj['version']} is not {MANIFEST_VERSION}")
+                raise StaleManifestError(
+                    f"manifest version {obj['version']} is not {MANIFEST_VERSION}; run: preload-gate promote "
+                    f"{obj.get('checkpoint', 'CKPT')}")
             shards = tuple(
                 ShardRecord(
                     name=s["name"],
@@ -88,12 +104,16 @@ class Manifest:
                 for s in obj["shards"]
             )
             index = obj.get("index_stat")
+            dir_stat = obj.get("dir_stat")
             return cls(
                 checkpoint=obj["checkpoint"],
                 digest=obj["digest"],
                 config_digest=obj.get("config_digest"),
                 shards=shards,
                 index_stat=FileStat(**index) if index else None,
+                dir_stat=FileStat(**dir_stat) if dir_stat else None,
+                index_file=obj.get("index_file", INDEX_NAME),
+                selection=obj.get("selection", ""),
                 created=obj.get("created", 0.0),
                 version=obj["version"],
             )
@@ -109,8 +129,11 @@ def default_cache_dir() -> Path:
     return Path(base) / "preload-gate"
 
 
-def manifest_path(checkpoint: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    real = os.path.realpath(checkpoint)
+def manifest_path(checkpoint: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None,
+                  resolve: bool = True) -> Path:
+    """Where the manifest of ``checkpoint`` lives: keyed by its real path
+    (``resolve=False``: by the absolute path as given, no I/O)."""
+    real = os.path.realpath(checkpoint) if resolve else os.path.abspath(checkpoint)
     key = hashlib.sha256(real.encode()).hexdigest()
     return Path(cache_dir or default_cache_dir()) / "manifests" / f"{key}.json"
 
@@ -135,15 +158,22 @@ def build_manifest(
 ) -> Manifest:
     """Validate every header, hash every shard, and record what was hashed.
 
-    The stat of each shard is taken before and after hashing; a shard that
-    changed while it was read is an error, not a manifest.
+    The shard set is vLLM's own selection (:mod:`preload.identity.fileset`).
+    The stat of each shard and of the directory is taken before and after
+    hashing; a change while reading is an error, not a manifest.
     """
     ckpt = Path(checkpoint)
-    paths = shard_paths(ckpt)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"checkpoint directory {ckpt} does not exist")
+    dir_before = FileStat.of(ckpt)
+    fs = servable(select_files(ckpt))
+    paths = fs.paths
+    headers = []
     for p in paths:
         if p.stat().st_size == 0:
             raise CheckpointError("shard is empty", p.name)
-        read_header(p)
+        headers.append(read_header(p))
+    check_unique_tensors(headers)
     before = {p.name: FileStat.of(p) for p in paths}
     digests = hash_shards(paths, workers=workers, progress=progress)
     records = []
@@ -152,13 +182,18 @@ def build_manifest(
         if after != before[p.name]:
             raise CheckpointError("shard changed while it was being hashed; promote again", p.name)
         records.append(ShardRecord(p.name, after.size, digests[p.name], after))
-    index = ckpt / INDEX_NAME
+    if FileStat.of(ckpt) != dir_before:
+        raise CheckpointError(f"files were added, removed or renamed in {ckpt} while it was hashed; promote again")
+    index = ckpt / fs.index_file
     return Manifest(
         checkpoint=os.path.realpath(ckpt),
         digest=checkpoint_digest(digests),
         config_digest=config_digest(ckpt),
         shards=tuple(records),
         index_stat=FileStat.of(index) if index.is_file() else None,
+        dir_stat=dir_before,
+        index_file=fs.index_file,
+        selection=fs.source,
     )
 
 
@@ -171,14 +206,20 @@ def write_manifest(manifest: Manifest, cache_dir: str | os.PathLike[str] | None 
 def load_manifest(
     checkpoint: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None
 ) -> Manifest | None:
-    path = manifest_path(checkpoint, cache_dir)
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise ManifestError(f"unreadable manifest {path}: {exc}") from exc
-    return Manifest.from_json(obj)
+    # The path as given first: resolving it costs an lstat, a round trip on
+    # remote storage. A hit is safe: the directory's stat (dev, ino) in the
+    # manifest is checked through that same path, so a path that now leads
+    # elsewhere reads as stale. A symlinked path falls back to the real one.
+    for resolve in (False, True):
+        path = manifest_path(checkpoint, cache_dir, resolve=resolve)
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as exc:
+            raise ManifestError(f"unreadable manifest {path}: {exc}") from exc
+        return Manifest.from_json(obj)
+    return None
 
 
 @dataclass(frozen=True)
@@ -187,44 +228,91 @@ class Resolution:
 
     digest: str
     mode: str
-    # "manifest" (stat matched), "pinned", "rehashed" (full, or a stale or
-    # missing manifest in stat mode).
+    # "manifest" (stat matched), "pinned", "rehashed" (full).
     source: str
     stale_reason: str | None = None
 
 
-def stale_reason(checkpoint: str | os.PathLike[str], manifest: Manifest) -> str | None:
-    """Why ``manifest`` no longer describes the checkpoint, or None if it does.
+class StaleManifestError(ManifestError):
+    """The promotion manifest is missing or no longer describes the checkpoint.
 
-    Costs one directory listing and one stat per shard (and of the index);
-    no shard file is opened.
+    ``shard`` names the file that changed (None: the manifest is missing or the
+    directory's entries changed). Never repaired by an engine: re-promotion is
+    an operator's act, so the message carries the command.
+    """
+
+    def __init__(self, message: str, shard: str | None = None) -> None:
+        self.shard = shard
+        super().__init__(message)
+
+
+def stat_all(paths: list[Path]) -> list[FileStat | OSError]:
+    """``FileStat.of`` every path at once: one thread per stat (at most
+    MAX_STATS_IN_FLIGHT in flight), so N stats on remote storage cost about
+    one round trip. Threads are started with ``_thread`` directly, which does
+    not wait for each to be scheduled before starting the next."""
+    import _thread
+    import threading
+
+    results: list[FileStat | OSError | None] = [None] * len(paths)
+    if not paths:
+        return []
+    gate = threading.BoundedSemaphore(MAX_STATS_IN_FLIGHT)
+    done = threading.Event()
+    left = [len(paths)]
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            results[i] = FileStat.of(paths[i])
+        except OSError as exc:
+            results[i] = exc
+        finally:
+            gate.release()
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+
+    for i in range(len(paths)):
+        gate.acquire()
+        _thread.start_new_thread(one, (i,))
+    done.wait()
+    return [r if r is not None else OSError("not stat'ed") for r in results]
+
+
+def stale_reason(checkpoint: str | os.PathLike[str], manifest: Manifest) -> tuple[str, str | None] | None:
+    """Why ``manifest`` no longer describes the checkpoint, as ``(reason,
+    shard)``, or None if it does.
+
+    One concurrent round of stats (directory, index, every shard); no file
+    is opened and nothing is listed.
     """
     ckpt = Path(checkpoint)
-    index = ckpt / INDEX_NAME
-    try:
-        index_now = FileStat.of(index)
-    except FileNotFoundError:
-        index_now = None
-    if index_now != manifest.index_stat:
-        return f"{INDEX_NAME} changed"
-    names = {r.name for r in manifest.shards}
-    if manifest.index_stat is None:
-        try:
-            present = {e.name for e in os.scandir(ckpt) if e.name.endswith(".safetensors")}
-        except OSError as exc:
-            return f"cannot list checkpoint: {exc}"
-        if present != names:
-            added, removed = sorted(present - names), sorted(names - present)
-            return f"shard set changed (added {added}, removed {removed})"
-    for rec in manifest.shards:
-        try:
-            now = FileStat.of(ckpt / rec.name)
-        except OSError:
-            return f"{rec.name} is missing"
-        if now != rec.stat:
-            diff = [f for f in ("size", "mtime_ns", "ctime_ns", "ino", "dev")
-                    if getattr(now, f) != getattr(rec.stat, f)]
-            return f"{rec.name} changed ({', '.join(diff)})"
+    if manifest.dir_stat is None:
+        return "the manifest predates directory stats", None
+    targets = [ckpt, ckpt / manifest.index_file] + [ckpt / r.name for r in manifest.shards]
+    now = stat_all(targets)
+    fields = ("size", "mtime_ns", "ctime_ns", "ino", "dev")
+
+    def diff(a: FileStat, b: FileStat) -> str:
+        return ", ".join(f for f in fields if getattr(a, f) != getattr(b, f))
+
+    d = now[0]
+    if isinstance(d, OSError):
+        return f"cannot stat the checkpoint directory: {d}", None
+    if d != manifest.dir_stat:
+        return (f"files were added, removed or renamed in the checkpoint directory ({diff(d, manifest.dir_stat)}), "
+                "so vLLM's file set may differ"), None
+    idx = now[1]
+    idx_now = None if isinstance(idx, OSError) else idx
+    if idx_now != manifest.index_stat:
+        return f"{manifest.index_file} changed", manifest.index_file
+    for rec, st in zip(manifest.shards, now[2:], strict=True):
+        if isinstance(st, OSError):
+            return f"{rec.name} is missing ({st})", rec.name
+        if st != rec.stat:
+            return f"{rec.name} changed ({diff(st, rec.stat)})", rec.name
     return None
 
 
@@ -233,9 +321,11 @@ def resolve_digest(
     mode: str = "stat",
     expected_digest: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
-    on_stale: str = "rehash",
 ) -> Resolution:
     """The content digest of ``checkpoint`` as a restarting engine sees it.
+
+    ``stat`` raises :class:`StaleManifestError` for a missing or stale
+    manifest; it never hashes the checkpoint and never writes a manifest.
 
     >>> resolve_digest("/models/smollm2", mode="pinned", expected_digest="ab" * 32).source  # doctest: +SKIP
     'pinned'
@@ -248,13 +338,19 @@ def resolve_digest(
         return Resolution(expected_digest.lower(), mode, "pinned")
     if mode == "stat":
         manifest = load_manifest(checkpoint, cache_dir)
-        reason = "no manifest (run: preload-gate promote CKPT)" if manifest is None else stale_reason(checkpoint, manifest)
-        if manifest is not None and reason is None:
-            return Resolution(manifest.digest, mode, "manifest")
-        if on_stale == "refuse":
-            raise ManifestError(f"manifest for {checkpoint} is stale: {reason}")
-        fresh = build_manifest(checkpoint, progress=False)
-        write_manifest(fresh, cache_dir)
-        return Resolution(fresh.digest, mode, "rehashed", reason)
+        if manifest is None:
+            raise StaleManifestError(
+                f"no promotion manifest for {checkpoint} (looked for {manifest_path(checkpoint, cache_dir)}); "
+                f"run: preload-gate promote {checkpoint}"
+            )
+        found = stale_reason(checkpoint, manifest)
+        if found is not None:
+            reason, shard = found
+            raise StaleManifestError(
+                f"the promotion manifest for {checkpoint} is stale: {reason}; engines do not re-hash: "
+                f"run: preload-gate promote {checkpoint}",
+                shard,
+            )
+        return Resolution(manifest.digest, mode, "manifest")
     digests = hash_shards(shard_paths(checkpoint), progress=False)
     return Resolution(checkpoint_digest(digests), mode, "rehashed")

@@ -13,6 +13,7 @@ from harness.bench import BenchError, BenchOptions, load_rows, markdown, parse_s
 from harness.bench.identity import write_synthetic
 from harness.bench.remote_fs import RemoteFS
 from preload.identity import anchors
+from preload.identity.manifest import StaleManifestError
 from preload.promote import promote
 from preload_gate.cli import main
 
@@ -64,9 +65,15 @@ def test_the_shim_sees_the_anchors_io(many_shards):
     assert sampled.opens >= len(paths) and sampled.reads >= 4 * len(paths)
     full = _counts(ckpt, lambda: anchors.content(ckpt, "full"))
     assert full.bytes_read >= sum(p.stat().st_size for p in paths)
-    # A stale manifest (a shard touched) makes stat mode re-hash: opens appear.
+    # A stale manifest (a shard touched) is refused by name in stat mode, with stats only.
     paths[0].touch()
-    assert _counts(ckpt, lambda: anchors.content(ckpt, "stat", cache_dir=cache)).opens >= len(paths)
+
+    def stale() -> None:
+        with pytest.raises(StaleManifestError, match=paths[0].name):
+            anchors.content(ckpt, "stat", cache_dir=cache)
+
+    counts = _counts(ckpt, stale)
+    assert counts.opens == 0 and counts.stats >= len(paths)
 
 
 def test_shim_charges_latency_per_access(many_shards):
@@ -101,7 +108,7 @@ def test_restart_row_measures_with_and_without_latency(tmp_path):
     opts = BenchOptions(workdir=tmp_path, params={"shards": "4", "shard_mb": "0.05", "latency_ms": "2",
                                                        "header_impl": "reimpl"})
     results = run_rows(opts, ["restart_identity"])
-    assert len(results) == 8
+    assert len(results) == 9  # 4 pairs per variant, and content/stat in round trips for the remote one
     rows = results[0].details["table"]
     assert [r["latency_ms"] for r in rows] == [2.0] * 7 + [0.0] * 7
     for latency in (2.0, 0.0):
@@ -113,7 +120,9 @@ def test_restart_row_measures_with_and_without_latency(tmp_path):
             h = t["header_only"]
             assert h["wall_s"] >= 0.002 * (h["opens"] + h["reads"])
     titles = [r.title for r in results]
-    assert sum("2 ms remote fs" in t for t in titles) == 4 and sum("local fs (0 ms)" in t for t in titles) == 4
+    assert sum("2 ms remote fs" in t for t in titles) == 5 and sum("local fs (0 ms)" in t for t in titles) == 4
+    trips = [r for r in results if "round trips" in r.title]
+    assert len(trips) == 1 and trips[0].anchor.value == 0.002 and trips[0].ratio is not None
     pinned = [r for r in results if r.ours.label.startswith("content/pinned")]
     assert len(pinned) == 2 and all(r.ratio is None for r in pinned)
 

@@ -8,7 +8,7 @@ import pytest
 
 from harness.gate import GateOptions, _prepare, content_digest
 from harness.mutations import select_cases
-from preload.identity.manifest import resolve_digest
+from preload.identity.manifest import StaleManifestError, resolve_digest
 
 pytestmark = pytest.mark.unit
 
@@ -35,10 +35,11 @@ def test_inplace_mtime_restored_is_seen_by_the_stat_check(tiny_ckpt, tmp_path, m
     # Same path, same size and mtime: path_stat and realpath are fooled, content is not.
     assert r.fingerprints["path_stat"]["equal"] and r.fingerprints["realpath"]["equal"]
     assert r.fingerprints["content"]["equal"] is False
-    # The staged copy was promoted before the overwrite; the engine's stat check re-hashes.
-    res = resolve_digest(r.candidate, mode="stat")
-    assert res.source == "rehashed" and "ctime_ns" in (res.stale_reason or "")
-    assert res.digest == r.candidate_digest
+    # The staged copy was promoted before the overwrite; the engine's stat check
+    # sees it stale and names the shard (a miss; engines never re-hash).
+    with pytest.raises(StaleManifestError, match="ctime_ns"):
+        resolve_digest(r.candidate, mode="stat")
+    assert resolve_digest(r.candidate, mode="full").digest == r.candidate_digest
     spec = p.cached_spec
     assert spec.load_format == "verified_cache"
     assert spec.extra_config["fallback"] is True and spec.extra_config["identity"] == "stat"

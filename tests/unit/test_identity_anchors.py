@@ -9,6 +9,7 @@ import pytest
 from fixtures.mutations import by_name, copy_checkpoint
 from preload.errors import CheckpointError
 from preload.identity import anchors
+from preload.identity.manifest import StaleManifestError
 
 pytestmark = pytest.mark.unit
 
@@ -59,8 +60,10 @@ def test_content_modes_agree(tiny_ckpt, tmp_path):
     assert anchors.content(ckpt, "pinned", expected_digest=digest).hex == digest
     row = by_name("inplace_overwrite")
     row.apply(ckpt, tmp_path)
-    fresh = anchors.content(ckpt, "stat", cache_dir=tmp_path / "m")
-    assert fresh.hex != digest and "rehashed" in fresh.implementation
+    # A stale manifest is refused by name (never re-hashed); full mode sees the new content.
+    with pytest.raises(StaleManifestError, match="preload-gate promote"):
+        anchors.content(ckpt, "stat", cache_dir=tmp_path / "m")
+    assert anchors.content(ckpt).hex != digest
 
 
 @pytest.mark.parametrize("scheme", anchors.SCHEMES)

@@ -10,7 +10,7 @@ import pytest
 from fixtures.mutations import by_name, copy_checkpoint
 from harness.bench.remote_fs import RemoteFS
 from preload.identity import anchors
-from preload.identity.manifest import resolve_digest
+from preload.identity.manifest import StaleManifestError, resolve_digest
 from preload.promote import promote
 
 pytestmark = pytest.mark.unit
@@ -63,9 +63,10 @@ def test_stat_mode_sees_an_edit_whose_mtime_was_restored(promoted):
         f.write(b"\x3f\x80")
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert os.stat(shard).st_mtime_ns == st.st_mtime_ns and os.stat(shard).st_size == st.st_size
-    res = resolve_digest(ckpt, mode="stat", cache_dir=cache)
-    assert res.source == "rehashed" and "ctime_ns" in (res.stale_reason or "")
-    assert res.digest != digest and res.digest == _coreutils_digest(ckpt)
+    with pytest.raises(StaleManifestError, match="ctime_ns") as info:
+        resolve_digest(ckpt, mode="stat", cache_dir=cache)
+    assert info.value.shard == shard.name and "preload-gate promote" in str(info.value)
+    assert resolve_digest(ckpt, mode="full").digest == _coreutils_digest(ckpt) != digest
     # path_stat, the anchor, is fooled by the same edit.
     assert by_name("inplace_mtime_restored").expected["path_stat"] is True
 
