@@ -61,6 +61,9 @@ class EngineSpec:
     pipeline_parallel_size: int = 1
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    # Serve through vLLM's OpenAI server instead of the offline LLM (for
+    # settings the offline engine cannot run, e.g. data parallelism on CPU).
+    server: bool = False
 
     def settings(self) -> dict[str, Any]:
         """The settings that decide an `auto` engine's output (not where the

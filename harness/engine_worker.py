@@ -87,6 +87,79 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def run_server(spec: dict[str, Any], out: str) -> dict[str, Any]:
+    """The same run through ``python -m vllm.entrypoints.openai.api_server``:
+    greedy completions over HTTP on 127.0.0.1, token ids from the server's
+    ``--return-tokens-as-token-ids``. The server is this worker's child, in
+    its process group, so the harness's group kill ends it."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec["checkpoint"],
+           "--host", "127.0.0.1", "--port", str(port), "--load-format", spec["load_format"],
+           "--dtype", spec["dtype"], "--tensor-parallel-size", str(spec["tensor_parallel_size"]),
+           "--data-parallel-size", str(spec.get("data_parallel_size", 1)),
+           "--max-model-len", str(spec["max_model_len"]), "--enforce-eager", "--seed", str(spec.get("seed", 0)),
+           "--return-tokens-as-token-ids", "--served-model-name", "model"]
+    if spec.get("extra_config") is not None:
+        cmd += ["--model-loader-extra-config", json.dumps(spec["extra_config"])]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    marks: dict[str, float] = {}
+    deadline = time.monotonic() + float(spec.get("server_timeout_s", 600))
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the OpenAI server exited with code {proc.returncode} before serving")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the OpenAI server did not answer /health in time")
+        time.sleep(1.0)
+    marks["ready"] = time.monotonic() - T0
+
+    def complete(prompt: str, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+        body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "seed": 0, "logprobs": logprobs}
+        req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return dict(json.loads(r.read())["choices"][0])
+
+    def tid(tok: str) -> int:
+        return int(tok.split(":", 1)[1])
+
+    complete(spec["prompts"][0], 1, None)
+    marks["first_token"] = time.monotonic() - T0
+    token_ids, texts, logprobs = [], [], []
+    for prompt in spec["prompts"]:
+        choice = complete(prompt, spec["max_tokens"], spec["top_logprobs"])
+        lp = choice.get("logprobs") or {}
+        token_ids.append([tid(t) for t in lp.get("tokens") or []])
+        texts.append(choice.get("text", ""))
+        logprobs.append([{str(tid(k)): float(v) for k, v in (step or {}).items()}
+                         for step in lp.get("top_logprobs") or []])
+    marks["done"] = time.monotonic() - T0
+    from vllm import __version__ as vllm_version
+
+    result = {"ok": True, "token_ids": token_ids, "texts": texts, "logprobs": logprobs, "marks": marks,
+              "vllm_version": vllm_version}
+    # The result goes to disk before the server is told to stop: its shutdown
+    # may signal the whole process group, this worker included.
+    from preload import _atomic
+
+    _atomic.write_json(out, result)
+    proc.terminate()
+    return result
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -m harness.engine_worker SPEC.json OUT.json", file=sys.stderr)
@@ -95,7 +168,7 @@ def main(argv: list[str]) -> int:
     for k, v in spec.get("env", {}).items():
         os.environ[k] = str(v)
     try:
-        result = run(spec)
+        result = run_server(spec, argv[1]) if spec.get("server") else run(spec)
     except Exception as exc:  # the verdict needs the reason, not a traceback in the void
         import traceback
 

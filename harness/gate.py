@@ -55,8 +55,8 @@ from harness.results import CaseResult, GateReport
 from harness.targets import NAMES, get_target
 from harness.targets.base import UNSAFE_CONTROLS_ENV
 from harness.targets.checkpoints import weight_files
-from harness.verdict import LOGPROB_TOLERANCE, NOT_RUN, PASS, Expectation, judge
-from preload import _atomic
+from harness.verdict import LOGPROB_TOLERANCE, NOT_RUN, PASS, Expectation, expected_outcome, judge
+from preload import _atomic, trust
 from preload.deployment import DeploymentSettings, answer_identity
 from preload.errors import PreloadGateError
 from preload.identity.digest import checkpoint_digest, hash_shards
@@ -131,8 +131,17 @@ class ReferenceCache:
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def get(self, key: str) -> EngineResult | None:
+        """A stored reference, or None; a loose or foreign one is refused by
+        name (GateSetupError): whoever writes it decides what "right" is."""
+        path = self.root / f"{key}.json"
+        if not os.path.lexists(path):
+            return None
         try:
-            obj = json.loads((self.root / f"{key}.json").read_text(encoding="utf-8"))
+            trust.verify_private_file(path, "reference cache file")
+        except trust.UntrustedPathError as exc:
+            raise GateSetupError(str(exc)) from exc
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
         result = EngineResult.from_json(obj)
@@ -140,7 +149,12 @@ class ReferenceCache:
 
     def put(self, key: str, result: EngineResult) -> None:
         if result.ok:  # a failed reference is never reused
-            _atomic.write_json(self.root / f"{key}.json", result.to_json())
+            try:
+                self.root.parent.mkdir(parents=True, exist_ok=True)
+                trust.ensure_private_dir(self.root, "reference cache directory")
+            except trust.UntrustedPathError as exc:
+                raise GateSetupError(str(exc)) from exc
+            _atomic.write_json(self.root / f"{key}.json", result.to_json(), mode=0o600)
 
 
 def _settings_json(case: GateCase) -> dict[str, Any]:
@@ -216,6 +230,8 @@ class _Prepared:
     candidate: Path | None = None
     reference_spec: EngineSpec | None = None
     cached_spec: EngineSpec | None = None
+    is_moe: bool = False
+    mismatched_fields: tuple[str, ...] = ()
 
 
 def _note(opts: GateOptions, stage: str, msg: str) -> None:
@@ -284,6 +300,15 @@ def _child_env(opts: GateOptions) -> dict[str, str]:
     return {}
 
 
+def _model_is_moe(checkpoint: Path) -> bool | None:
+    """vLLM's own answer (``ModelConfig.is_moe``); None when vLLM is absent."""
+    try:
+        from vllm.config import ModelConfig
+    except ImportError:
+        return None
+    return bool(ModelConfig(model=str(checkpoint)).is_moe)
+
+
 def select_target_cases(target: Any, spec: str) -> list[GateCase]:
     """``all``: the target's own rows (the whole catalogue for ours); else the named rows."""
     names = [n.strip() for n in spec.split(",") if n.strip()]
@@ -304,7 +329,7 @@ def _switch_case(opts: GateOptions) -> GateCase:
     d = _gate_settings(opts)
     return _DeploymentCase("switch_from_base", "the candidate while a daemon still holds the base",
                            recipe=None, weights_equal=False, expected_fields=("content_digest",),
-                           settings=_engine_settings(d), deployment=d)
+                           settings=_engine_settings(d), deployment=d, holds_base=True)
 
 
 def _all_not_run(report: GateReport, cases: list[GateCase], reason: str) -> None:
@@ -322,7 +347,7 @@ def _run(opts: GateOptions, report: GateReport, cases: list[GateCase], base: Pat
     daemon_digest = content_digest(daemon_ckpt)
     prepared = [_prepare(opts, c, base, candidate, daemon_digest, workdir, socket_root, self_test)
                 for c in cases]
-    to_run = [p for p in prepared if p.result.status != NOT_RUN]
+    to_run = [p for p in prepared if p.cached_spec is not None]  # prepared to run; NOT_RUN until judged
     if not to_run:
         report.cases = [p.result for p in prepared]
         return
@@ -348,15 +373,12 @@ def _run(opts: GateOptions, report: GateReport, cases: list[GateCase], base: Pat
     report.daemon = {"checkpoint": str(daemon_ckpt), "digest": daemon.digest,
                      "independent_digest": daemon_digest, "start_seconds": round(daemon.start_seconds, 3)}
     # A switch case needs the base held, not the candidate: a second daemon.
-    switch = [p for p in to_run if p.case.name == "switch_from_base"]
+    switch = [p for p in to_run if p.case.holds_base]
     try:
         _run_engines(opts, [p for p in to_run if p not in switch], socket_root, workdir)
     finally:
         daemon.stop()
     if switch:
-        base_digest = content_digest(opts.base or base)
-        for p in switch:
-            p.result.daemon_digest = base_digest
         with DaemonProcess(str(opts.base), socket_root, workdir / "daemon-base.log", args,
                            env=_child_env(opts)) as d2:
             promote(str(opts.base), socket_root=socket_root)
@@ -371,10 +393,20 @@ def _run(opts: GateOptions, report: GateReport, cases: list[GateCase], base: Pat
 
 def _prepare(opts: GateOptions, case: GateCase, base: Path, candidate: Path, daemon_digest: str,
              workdir: Path, socket_root: str, self_test: bool) -> _Prepared:
-    res = CaseResult(case.name, case.description, case.expect, case.weights_equal, _settings_json(case), PASS,
-                     daemon_digest=daemon_digest)
+    # NOT_RUN until judged: only _judge turns a case into PASS or BLOCK.
+    res = CaseResult(case.name, case.description, case.expect, case.weights_equal, _settings_json(case), NOT_RUN,
+                     daemon_digest=content_digest(opts.base) if (case.holds_base and opts.base) else daemon_digest)
+    res.not_run_reason = "not judged"
     p = _Prepared(case, res)
-    res.key_check = case.key_check(daemon_digest).to_json() if case.recipe is None else None
+    is_moe = _model_is_moe(base) if case.settings.data_parallel_size != BASE_SETTINGS.data_parallel_size else False
+    if is_moe is None:
+        res.not_run_reason = ("whether the model is MoE (which decides if DP changes its key) is vLLM's "
+                              "answer, and vLLM is not importable here")
+        return p
+    p.is_moe = is_moe
+    check = case.key_check(daemon_digest, is_moe)
+    p.mismatched_fields = check.mismatched_fields
+    res.key_check = check.to_json() if case.recipe is None else None
     skip = case.cpu_skip
     if case.name == "tp_shift" and opts.run_tp:
         skip = ""
@@ -404,6 +436,11 @@ def _prepare(opts: GateOptions, case: GateCase, base: Path, candidate: Path, dae
     p.candidate = cand
     res.candidate = str(cand)
     res.candidate_digest = content_digest(cand)
+    # The required outcome, from the digests and keys the gate computed.
+    res.expect = expected_outcome(res.candidate_digest, res.daemon_digest, p.mismatched_fields)
+    if res.expect != case.expect:
+        res.notes.append(f"the catalogue reads this case as a {case.expect}; the digests and keys "
+                         f"require a {res.expect}")
     s = case.settings
     common: dict[str, Any] = {"dtype": s.dtype, "tensor_parallel_size": s.tensor_parallel_size,
               "data_parallel_size": s.data_parallel_size}
@@ -412,14 +449,19 @@ def _prepare(opts: GateOptions, case: GateCase, base: Path, candidate: Path, dae
         common.update(pipeline_parallel_size=dep.pipeline_parallel_size, quantization=dep.quantization,
                       kv_cache_dtype=dep.kv_cache_dtype, max_model_len=dep.max_model_len or _MAX_MODEL_LEN)
     p.reference_spec = EngineSpec(checkpoint=str(cand), **common)
-    extra: dict[str, Any] = {"fallback": case.expect == "miss", "identity": "stat",
+    extra: dict[str, Any] = {"fallback": res.expect == "miss", "identity": "stat",
                              "socket_root": socket_root}
     if opts.unsafe_identity:
         extra["unsafe_identity"] = opts.unsafe_identity
     if opts.unsafe_silent_fallback:
         extra["unsafe_silent_fallback"] = True
+    env = _child_env(opts)
     p.cached_spec = EngineSpec(checkpoint=str(cand), load_format="verified_cache", extra_config=extra,
-                               env=_child_env(opts), **common)
+                               env=env, **common)
+    if case.server:
+        p.reference_spec = dataclasses.replace(p.reference_spec, server=True)
+        p.cached_spec = dataclasses.replace(p.cached_spec, server=True)
+    res.not_run_reason = "not judged (its engines did not run)"
     return p
 
 
@@ -464,7 +506,9 @@ def _run_engines(opts: GateOptions, prepared: list[_Prepared], socket_root: str,
         label = name if kind == "cached" else ref_names[name]
         _note(opts, "engine-start", f"{kind} {label}")
         wd = workdir / "engines" / f"{kind}-{label}-{name[:12]}"
-        result = run_engine(spec, wd, timeout_s=opts.engine_timeout_s)
+        # A DP server starts an API process and one engine core per replica.
+        timeout = opts.engine_timeout_s * (1 + spec.data_parallel_size) if spec.server else opts.engine_timeout_s
+        result = run_engine(spec, wd, timeout_s=timeout)
         done[(kind, name)] = result
         if kind == "reference":
             refs.put(name, result)
@@ -485,14 +529,17 @@ def _judge(opts: GateOptions, p: _Prepared) -> None:
     r = p.result
     assert r.reference is not None and r.cached is not None
     exp = Expectation(
-        outcome=p.case.expect,
+        outcome=r.expect,
         candidate_digest=r.candidate_digest,
         daemon_digest=r.daemon_digest,
         ranks=p.case.settings.tensor_parallel_size,
-        expected_fields=p.case.expected_fields,
+        expected_fields=tuple(p.mismatched_fields) or p.case.expected_fields,
+        dp_size=p.case.settings.data_parallel_size,
+        is_moe=p.is_moe,
     )
     r.verdict = judge(exp, r.reference, r.cached, opts.tolerance)
     r.status = r.verdict.status
+    r.not_run_reason = ""
     _note(opts, "verdict", f"{r.name}: {r.status} {' '.join(r.verdict.reasons)}")
 
 

@@ -32,6 +32,7 @@ class CaseResult:
     daemon_digest: str = ""
     verdict: Verdict | None = None
     not_run_reason: str = ""
+    notes: list[str] = field(default_factory=list)
     key_check: dict[str, Any] | None = None
     fingerprints: dict[str, dict[str, Any]] = field(default_factory=dict)
     reference: EngineResult | None = None
@@ -54,6 +55,7 @@ class CaseResult:
             "daemon_digest": self.daemon_digest,
             "verdict": None if self.verdict is None else self.verdict.to_json(),
             "not_run_reason": self.not_run_reason,
+            "notes": list(self.notes),
             "key_check": self.key_check,
             "fingerprints": self.fingerprints,
             "reference": engine(self.reference),

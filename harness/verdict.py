@@ -55,6 +55,10 @@ class Expectation:
     daemon_digest: str  # independent content hash of what the daemon was started on
     ranks: int = 1
     expected_fields: tuple[str, ...] = ()
+    dp_size: int = 1
+    # MoE: DP ranks shard the experts and number the daemon's ranks; dense:
+    # each DP replica loads as DP rank 0 of its own (vLLM resets it).
+    is_moe: bool = False
 
 
 @dataclass
@@ -78,6 +82,21 @@ class Verdict:
         if reason not in self.reasons:
             self.reasons.append(reason)
         self.details.append(f"{reason}: {detail}")
+
+
+def expected_outcome(candidate_digest: str, daemon_digest: str, mismatched_fields: Sequence[str] = ()) -> str:
+    """What a correct cache must do, from facts the gate computed itself:
+    ``hit`` when the candidate's content digest is the daemon's and the
+    engine's key equals the daemon's (by the product's own key rule);
+    ``miss`` otherwise. A case's name never enters into it, so a base that is
+    a byte-identical copy of the candidate (or itself) requires a hit.
+
+    >>> expected_outcome("a" * 64, "a" * 64)
+    'hit'
+    >>> expected_outcome("a" * 64, "a" * 64, ["tp_size"])
+    'miss'
+    """
+    return "hit" if candidate_digest == daemon_digest and not mismatched_fields else "miss"
 
 
 def first_difference(
@@ -116,15 +135,26 @@ def max_logprob_diff(reference: EngineResult, candidate: EngineResult) -> float:
     return worst
 
 
+def expected_event_ranks(exp: Expectation) -> list[tuple[int, int]]:
+    """The (dp rank, rank) of every load event a run must record: one per
+    engine rank, on every DP replica."""
+    out = []
+    for dp in range(exp.dp_size):
+        for r in range(exp.ranks):
+            out.append((dp, (dp * exp.ranks + r) if exp.is_moe else r))
+    return sorted(out)
+
+
 def _check_events(v: Verdict, exp: Expectation, cand: EngineResult) -> None:
     events = cand.events
     outcomes = [e.get("outcome") for e in events]
     bad = [o for o in outcomes if o not in ("hit", "miss", "error")]
     if bad:
         v._block("error", f"load events with unknown outcome {bad}")
-    ranks = sorted(e.get("rank", 0) for e in events)
-    if events and ranks != list(range(exp.ranks)):
-        v._block("error", f"expected one load event per rank 0..{exp.ranks - 1}, got ranks {ranks}")
+    ranks = sorted((int(e.get("dp_rank", 0) or 0), int(e.get("rank", 0) or 0)) for e in events)
+    want = expected_event_ranks(exp)
+    if events and ranks != want:
+        v._block("error", f"expected one load event per (dp rank, rank) {want}, got {ranks}")
     if "hit" in outcomes:
         v.outcome = "hit"
     elif "miss" in outcomes:

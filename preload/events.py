@@ -36,6 +36,7 @@ class LoadEvent:
     tensors: int = 0
     bytes: int = 0
     rank: int = 0
+    dp_rank: int = 0
     source: str = "none"
     socket_dir: str | None = None
     pid: int = field(default_factory=os.getpid)
@@ -52,20 +53,40 @@ def events_path(configured: str | None) -> str | None:
     return configured or os.environ.get(EVENTS_ENV) or None
 
 
-def emit(event: LoadEvent, events_file: str | None = None, loud: bool | None = None) -> None:
+def emit(event: LoadEvent, events_file: str | None = None, loud: bool | None = None) -> bool:
     """Append the event line (one ``write`` on an O_APPEND fd, so ranks
-    writing the same file never interleave) and log it."""
-    line = json.dumps(event.to_json(), sort_keys=True)
+    writing the same file never interleave) and log it.
+
+    Never raises: an events file that cannot be written (a missing directory,
+    a full disk) must not turn a good load into a failed start. The log line
+    is still written, plus a warning naming the file. Returns whether the
+    file got the line (True when no file is configured).
+    """
+    try:
+        line = json.dumps(event.to_json(), sort_keys=True, default=str)
+    except Exception as exc:  # a field that does not serialise: still say what happened
+        line = json.dumps({"outcome": event.outcome, "reason": event.reason, "rank": event.rank,
+                           "serialise_error": repr(exc)})
+    written = True
     path = events_path(events_file)
     if path:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            os.write(fd, (line + "\n").encode())
-        finally:
-            os.close(fd)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, (line + "\n").encode())
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            written = False
+            log.warning("preload-gate: cannot write the load event to %s (%s); the load itself "
+                        "is unaffected; fix the events_file path", path, exc.strerror or exc)
     if loud is None:
         loud = event.outcome != "hit"
-    (log.warning if loud else log.info)("%s %s", LOG_PREFIX, line)
+    try:
+        (log.warning if loud else log.info)("%s %s", LOG_PREFIX, line)
+    except Exception:  # a broken log handler is not a failed load
+        pass
+    return written
 
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

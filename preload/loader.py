@@ -26,8 +26,10 @@ gate: ``unsafe_identity: "header_only"`` and ``unsafe_silent_fallback``.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ from preload.errors import (
     WeightCacheUnavailableError,
 )
 from preload.events import LoadEvent, emit
+from preload.trust import UNSAFE_CONTROLS_ENV, unsafe_controls_allowed
 
 log = logging.getLogger("preload.loader")
 
@@ -64,7 +67,9 @@ class LoaderOptions:
     fallback: bool = True
     identity: str = "stat"
     expected_digest: str | None = None
-    verify_resident: bool = False
+    # None: on where an engine can write into the daemon's arena (CUDA:
+    # zero-copy maps the daemon's own memory), off for sealed shm arenas.
+    verify_resident: bool | None = None
     events_file: str | None = None
     connect_timeout_s: float = 5.0
     state_timeout_s: float = 300.0
@@ -98,9 +103,23 @@ class LoaderOptions:
             raise LoaderConfigError(f"{LOAD_FORMAT} identity {opts.identity!r} is not one of {', '.join(IDENTITIES)}")
         if opts.identity == "pinned" and not opts.expected_digest:
             raise LoaderConfigError(f"{LOAD_FORMAT} identity 'pinned' needs expected_digest")
+        if opts.expected_digest is not None and not _is_sha256_hex(opts.expected_digest):
+            raise LoaderConfigError(
+                f"{LOAD_FORMAT} expected_digest must be 64 hex characters (the digest printed by "
+                f"preload-gate promote), got {opts.expected_digest[:80]!r}")
         if opts.unsafe_identity not in (None, "header_only"):
             raise LoaderConfigError(f"{LOAD_FORMAT} unsafe_identity must be 'header_only'")
+        for name, on in (("unsafe_identity", opts.unsafe_identity is not None),
+                         ("unsafe_silent_fallback", opts.unsafe_silent_fallback)):
+            if on and not unsafe_controls_allowed():
+                raise LoaderConfigError(
+                    f"{LOAD_FORMAT} extra config {name!r} is a negative control for tests only; it is "
+                    f"refused unless {UNSAFE_CONTROLS_ENV}=1 is set (never in production)")
         return opts
+
+
+def _is_sha256_hex(value: str) -> bool:
+    return len(value) == 64 and all(c in "0123456789abcdefABCDEF" for c in value)
 
 
 class _Miss(Exception):
@@ -125,6 +144,35 @@ def _rank_info() -> dict[str, int]:
             "pp_size": pp.world_size, "pp_rank": pp.rank_in_group}
 
 
+def _global_rank(vllm_config: Any, ranks: dict[str, int]) -> tuple[int, int]:
+    """(global rank as the daemon numbers it, DP replica of this engine).
+
+    vLLM resets ``data_parallel_rank`` to 0 in each engine core of a dense
+    model (its DP replicas are independent, each holding all weights) and
+    keeps the replica in ``data_parallel_index``: the socket follows the
+    former, the event reports the latter, so every replica's event is told
+    apart.
+    """
+    pc = vllm_config.parallel_config
+    dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
+    replica = getattr(pc, "data_parallel_index", None)
+    replica = dp_rank if replica is None else int(replica)
+    return (dp_rank * ranks["pp_size"] + ranks["pp_rank"]) * ranks["tp_size"] + ranks["tp_rank"], replica
+
+
+def _forget_exception_frames(exc: BaseException) -> None:
+    """Drop the locals of the frames an exception holds (tensors over a
+    mapped arena, the half-built model), so a failed attach unmaps now, not
+    when the traceback happens to be collected."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
+    gc.collect()
+
+
 def _on_daemon_loss(sdir: str, rank: int) -> None:
     global DAEMON_LOSSES
     DAEMON_LOSSES += 1
@@ -145,7 +193,16 @@ def _make_loader_class() -> type:
 
         def __init__(self, load_config: Any) -> None:
             super().__init__(load_config)
-            self.opts = LoaderOptions.from_extra(load_config.model_loader_extra_config)
+            extra = load_config.model_loader_extra_config
+            # A bad extra config fails the start in load_model, where it
+            # still gets its one event (the constructor has no rank yet).
+            self.config_error: LoaderConfigError | None = None
+            try:
+                self.opts = LoaderOptions.from_extra(extra)
+            except LoaderConfigError as exc:
+                self.config_error = exc
+                events_file = extra.get("events_file") if isinstance(extra, dict) else None
+                self.opts = LoaderOptions(events_file=events_file if isinstance(events_file, str) else None)
             self._watch: Any = None
             self._attachment: Any = None
 
@@ -163,38 +220,80 @@ def _make_loader_class() -> type:
             return 0  # CPU: the arena is shared file memory, not device memory
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
+            """One event on every path: hit, a loud miss then disk, or a named
+            start-up failure; whatever is raised, even BaseException."""
             start = time.perf_counter()
             opts = self.opts
-            ranks = _rank_info()
-            dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
-            global_rank = (dp_rank * ranks["pp_size"] + ranks["pp_rank"]) * ranks["tp_size"] + ranks["tp_rank"]
-            event = LoadEvent(outcome="miss", reason="", mode=opts.mode, rank=global_rank)
+            event = LoadEvent(outcome="error", reason="the load did not finish", mode=opts.mode)
+            emitted = False
+
+            def finish() -> None:
+                nonlocal emitted
+                emitted = True
+                event.seconds = time.perf_counter() - start
+                emit(event, opts.events_file)  # never raises
+
             try:
-                model = self._load_cached(vllm_config, model_config, prefix, ranks, global_rank, event)
-                event.outcome, event.reason, event.source = "hit", "daemon served the key", "daemon"
-                event.seconds = time.perf_counter() - start
-                emit(event, opts.events_file)
+                cause: BaseException | None = None
+                try:
+                    if self.config_error is not None:
+                        event.reason = str(self.config_error)
+                        finish()
+                        raise self.config_error
+                    ranks = _rank_info()
+                    global_rank, event.dp_rank = _global_rank(vllm_config, ranks)
+                    event.rank = global_rank
+                    model = self._load_cached(vllm_config, model_config, prefix, ranks, global_rank, event)
+                except _Miss as miss:
+                    event.outcome, event.reason, event.fields = miss.outcome, miss.reason, miss.fields
+                    event.daemon_digest = miss.daemon_digest or event.daemon_digest
+                    cause = miss.cause
+                except Exception as exc:
+                    if emitted:
+                        raise
+                    # Outside the expected set (a read-only manifest cache, an
+                    # unreadable config.json, a bug): still one loud event.
+                    # A named failure of ours is its one line; anything else
+                    # (a bug, a library error) keeps its traceback for a report.
+                    log.warning("preload-gate: the cache could not be used: %s: %s", type(exc).__name__, exc,
+                                exc_info=not isinstance(exc, PreloadGateError))
+                    event.outcome, event.reason = "error", f"{type(exc).__name__}: {exc}"
+                    cause = exc
+                else:
+                    event.outcome, event.reason, event.source = "hit", "daemon served the key", "daemon"
+                    finish()
+                    return model
+                if cause is not None:
+                    _forget_exception_frames(cause)
+                if not opts.fallback:
+                    finish()
+                    if isinstance(cause, CacheKeyMismatchError):
+                        raise CacheKeyMismatchError(
+                            event.fields, f"{LOAD_FORMAT} with fallback off: {event.reason}") from cause
+                    err_type = type(cause) if isinstance(cause, PreloadGateError) and not isinstance(
+                        cause, OSError) else WeightCacheUnavailableError
+                    raise err_type(f"{LOAD_FORMAT} with fallback off: {event.reason}") from cause
+                if opts.unsafe_silent_fallback:
+                    # UNSAFE control (test-only switch): what a quiet cache does. No event.
+                    emitted = True
+                    log.warning("falling back to disk (%s)", event.reason)
+                    return DefaultModelLoader(self._disk_config()).load_model(vllm_config, model_config, prefix)
+                try:
+                    model = DefaultModelLoader(self._disk_config()).load_model(vllm_config, model_config, prefix)
+                except BaseException as exc:
+                    event.outcome, event.source = "error", "none"
+                    event.reason = f"{event.reason}; the disk fallback failed too: {type(exc).__name__}: {exc}"
+                    finish()
+                    raise
+                event.source = "disk"
+                finish()
                 return model
-            except _Miss as miss:
-                event.outcome, event.reason, event.fields = miss.outcome, miss.reason, miss.fields
-                event.daemon_digest = miss.daemon_digest or event.daemon_digest
-                cause = miss.cause
-            if not opts.fallback:
-                event.seconds = time.perf_counter() - start
-                emit(event, opts.events_file)
-                err_type = type(cause) if isinstance(cause, PreloadGateError) else WeightCacheUnavailableError
-                if isinstance(cause, CacheKeyMismatchError):
-                    raise CacheKeyMismatchError(event.fields, f"{LOAD_FORMAT} with fallback off: {event.reason}") from cause
-                raise err_type(f"{LOAD_FORMAT} with fallback off: {event.reason}") from cause
-            if opts.unsafe_silent_fallback:
-                # UNSAFE control: what a quiet cache does. No event at all.
-                log.warning("falling back to disk (%s)", event.reason)
-                return DefaultModelLoader(self._disk_config()).load_model(vllm_config, model_config, prefix)
-            model = DefaultModelLoader(self._disk_config()).load_model(vllm_config, model_config, prefix)
-            event.source = "disk"
-            event.seconds = time.perf_counter() - start
-            emit(event, opts.events_file)
-            return model
+            except BaseException as exc:
+                if not emitted:  # KeyboardInterrupt, SystemExit, a bug in the paths above
+                    event.outcome, event.source = "error", "none"
+                    event.reason = f"the load was interrupted: {type(exc).__name__}: {exc}"
+                    finish()
+                raise
 
         def _resolve(self, model_config: Any, event: LoadEvent) -> str:
             opts = self.opts
@@ -233,6 +332,11 @@ def _make_loader_class() -> type:
                 dp_rank=int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0),
                 export_stage=stage, transport=transport_for(device_type),
             )
+            from preload.preflight import socket_path_problem
+
+            problem = socket_path_problem(socket_path(sdir, global_rank))
+            if problem:  # known before any connect: say which path and what to do
+                raise _Miss("miss", problem, cause=WeightCacheUnavailableError(problem))
             if not socket_path(sdir, global_rank).exists():
                 other = self._other_rank_mismatch(sdir, global_rank, key)
                 if other is not None:
@@ -256,21 +360,30 @@ def _make_loader_class() -> type:
                 except (WeightCacheUnavailableError, ProtocolError) as exc:
                     raise _Miss("error", str(exc), cause=exc) from exc
                 event.daemon_digest = state.digest
-                if state.digest != digest:
-                    state.close()
-                    raise _Miss("error", f"daemon in {sdir} serves digest {state.digest[:16]}, not {digest[:16]}",
-                                ["content_digest"], state.digest,
-                                CacheKeyMismatchError(["content_digest"]))
                 try:
-                    model = self._build(vllm_config, model_config, prefix, state)
-                except PreloadGateError as exc:
-                    raise _Miss("error", f"attach failed: {exc}", cause=exc) from exc
-                except Exception as exc:
-                    log.exception("attaching the daemon's weights failed")
-                    raise _Miss("error", f"attach failed: {type(exc).__name__}: {exc}", cause=exc) from exc
+                    if state.digest != digest:
+                        raise _Miss("error", f"daemon in {sdir} serves digest {state.digest[:16]}, not {digest[:16]}",
+                                    ["content_digest"], state.digest,
+                                    CacheKeyMismatchError(["content_digest"]))
+                    try:
+                        model = self._build(vllm_config, model_config, prefix, state)
+                    except PreloadGateError as exc:
+                        raise _Miss("error", f"attach failed: {exc}", cause=exc) from exc
+                    except Exception as exc:
+                        log.exception("attaching the daemon's weights failed")
+                        raise _Miss("error", f"attach failed: {type(exc).__name__}: {exc}", cause=exc) from exc
+                finally:
+                    state.close()  # descriptors not yet handed to attach (a no-op after it)
                 event.tensors, event.bytes = len(state.layout.entries), state.layout.total_bytes
                 if opts.mode == "copy":
-                    client.release()
+                    try:
+                        client.release()
+                    except (PreloadGateError, OSError) as exc:
+                        # The engine holds its own copy: the hit stands; the
+                        # daemon merely keeps its memory until it is stopped.
+                        log.warning("preload-gate: copy mode: the daemon in %s did not release its arena "
+                                    "(%s); this engine is unaffected, the daemon still holds %d bytes",
+                                    sdir, exc, state.layout.total_bytes)
                 else:
                     try:
                         self._watch = Watch.open(sdir, global_rank, lambda: _on_daemon_loss(str(sdir), global_rank))
@@ -311,6 +424,34 @@ def _make_loader_class() -> type:
             return None
 
         def _build(self, vllm_config: Any, model_config: Any, prefix: str, state: Any) -> Any:
+            device = torch.device(vllm_config.device_config.device or "cpu")
+            forward_ctx = vllm_config.compilation_config.static_forward_context
+            saved_ctx = dict(forward_ctx)
+            self._undo: list[tuple[Any, str, Any, Any, bool, bool]] = []
+            try:
+                return self._build_into(vllm_config, model_config, prefix, state, device)
+            except BaseException:
+                # Undo what the failed build registered, so a disk fallback
+                # can build the model again (vLLM refuses a duplicate layer
+                # name), and drop the mapping's views.
+                forward_ctx.clear()
+                forward_ctx.update(saved_ctx)
+                for module, leaf, param, buf, had_param, had_buf in reversed(self._undo):
+                    module._parameters.pop(leaf, None)
+                    module._buffers.pop(leaf, None)
+                    if had_param:
+                        module._parameters[leaf] = param
+                    if had_buf:
+                        module._buffers[leaf] = buf
+                attachment, self._attachment = self._attachment, None
+                if attachment is not None:
+                    attachment.close()
+                raise
+            finally:
+                self._undo = []
+
+        def _build_into(self, vllm_config: Any, model_config: Any, prefix: str, state: Any,
+                        device: Any) -> Any:
             from torch import nn
             from vllm.model_executor.model_loader.utils import (
                 initialize_model,
@@ -319,11 +460,10 @@ def _make_loader_class() -> type:
             from vllm.model_executor.utils import weights_already_processed
             from vllm.utils.torch_utils import set_default_torch_dtype
 
-            device = torch.device(vllm_config.device_config.device or "cpu")
             with set_default_torch_dtype(model_config.dtype):
                 with torch.device("meta"):
                     model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-                attachment = state.attach()
+                attachment = self._attachment = state.attach()
                 modules = dict(model.named_modules(remove_duplicate=False))
                 registered: dict[str, torch.Tensor] = {}
                 kinds = {e.name: e.kind for e in state.layout.entries}
@@ -338,6 +478,11 @@ def _make_loader_class() -> type:
                         raise WeightCacheUnavailableError(
                             f"daemon tensor {name} is {tensor.dtype}{list(tensor.shape)}, the model wants "
                             f"{old.dtype}{list(old.shape)}")
+                    # Remembered for an undo: vLLM shares some modules between
+                    # models (its rotary-embedding cache), so a failed attach
+                    # must put back what it replaced, or the arena stays mapped.
+                    self._undo.append((module, leaf, module._parameters.get(leaf), module._buffers.get(leaf),
+                                       leaf in module._parameters, leaf in module._buffers))
                     module._parameters.pop(leaf, None)
                     module._buffers.pop(leaf, None)
                     obj: torch.Tensor
@@ -362,17 +507,25 @@ def _make_loader_class() -> type:
                 if missing:
                     raise WeightCacheUnavailableError(
                         f"the daemon did not provide {len(missing)} tensors, e.g. {missing[:3]}")
-                if self.opts.verify_resident:
+                if _should_verify(self.opts, state):
                     _verify_resident(attachment.tensors, state)
                 if state.stage == "processed":
                     with weights_already_processed():
                         process_weights_after_loading(model, model_config, device)
                 else:
                     process_weights_after_loading(model, model_config, device)
-            self._attachment = attachment
             return model.eval()
 
     return VerifiedCacheLoader
+
+
+def _should_verify(opts: LoaderOptions, state: Any) -> bool:
+    """``verify_resident`` as configured, else on for arenas an engine can
+    write into (CUDA: zero-copy maps the daemon's own memory); a sealed shm
+    arena is copy-on-write and needs no check."""
+    if opts.verify_resident is not None:
+        return opts.verify_resident
+    return state.descriptor.get("kind") != "shm"
 
 
 def _verify_resident(tensors: dict[str, Any], state: Any) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from preload.identity.manifest import Manifest, build_manifest, write_manifest
+from preload.preflight import preflight_promote
 from preload.sockets import ensure_private_dir, socket_dir
 
 
@@ -68,8 +69,11 @@ def promote(
     """Validate and hash ``checkpoint``, write its manifest atomically, and
     create its digest-keyed socket directory (0700).
 
-    Nothing is written unless every shard validated and hashed.
+    Nothing is written unless every shard validated and hashed, and nothing
+    is read before the checks that need no weights passed (socket root,
+    cache writability and trust: :mod:`preload.preflight`).
     """
+    preflight_promote(checkpoint, socket_root, cache_dir)
     manifest = build_manifest(checkpoint, workers=workers, progress=progress)
     path = write_manifest(manifest, cache_dir)
     sdir = ensure_private_dir(socket_dir(manifest.digest, socket_root))

@@ -20,6 +20,7 @@ import struct
 import tempfile
 from pathlib import Path
 
+from preload import trust
 from preload.errors import InsecureSocketError
 
 DIGEST_PREFIX = 16
@@ -70,35 +71,13 @@ def socket_path(directory: str | os.PathLike[str], global_rank: int) -> Path:
 
 def ensure_private_dir(directory: str | os.PathLike[str]) -> Path:
     """Create ``directory`` (and a private root above it) as 0700, then verify."""
-    d = Path(directory)
-    for p in (d.parent, d):
-        try:
-            os.mkdir(p, 0o700)
-        except FileExistsError:
-            pass
-        verify_private_dir(p)
-    return d
+    return trust.ensure_private_dir(directory, "socket directory", parents=1)
 
 
 def verify_private_dir(directory: str | os.PathLike[str]) -> None:
-    """A real directory, owned by us, with no group or world access."""
-    try:
-        info = os.lstat(directory)
-    except FileNotFoundError as exc:
-        raise InsecureSocketError(f"socket directory {directory} does not exist") from exc
-    if stat.S_ISLNK(info.st_mode):
-        raise InsecureSocketError(f"refusing symlinked socket directory {directory}")
-    if not stat.S_ISDIR(info.st_mode):
-        raise InsecureSocketError(f"{directory} is not a directory")
-    if info.st_uid != os.getuid():
-        raise InsecureSocketError(
-            f"socket directory {directory} is owned by uid {info.st_uid}, not {os.getuid()}"
-        )
-    if info.st_mode & 0o077:
-        raise InsecureSocketError(
-            f"socket directory {directory} is group/world accessible "
-            f"(mode {stat.S_IMODE(info.st_mode):04o}); run: chmod 700 {directory}"
-        )
+    """A real directory, owned by us, with no group or world access
+    (the rule :mod:`preload.trust` applies to manifests and caches too)."""
+    trust.verify_private_dir(directory, "socket directory")
 
 
 def verify_socket(path: str | os.PathLike[str]) -> None:

@@ -89,8 +89,9 @@ def key_from_vllm(
     kernel = getattr(vllm_config, "kernel_config", None)
     parallel = vllm_config.parallel_config
     spec = getattr(vllm_config, "speculative_config", None)
-    return WeightCacheKey(
-        content_digest=content_digest,
+    return rank_key(
+        content_digest,
+        is_moe=is_moe,
         config_digest=config_digest(model_config.model),
         architecture=",".join(getattr(hf_config, "architectures", None) or []),
         dtype=dtype_name(model_config.dtype),
@@ -109,10 +110,26 @@ def key_from_vllm(
         linear_backend_per_quant=json.dumps(
             sorted([str(k), str(v)] for k, v in (getattr(kernel, "linear_backend_per_quant", None) or {}).items())),
         tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size, pp_rank=pp_rank,
-        dp_size=dp_size if is_moe else 1, dp_rank=dp_rank if is_moe else 0,
+        dp_size=dp_size, dp_rank=dp_rank,
         enable_expert_parallel=bool(vllm_config.parallel_config.enable_expert_parallel),
         kernel_backend=kernel_backend(),
         export_stage=export_stage,
         transport=transport,
         vllm_version=vllm.__version__,
     )
+
+
+def rank_key(content_digest: str, *, is_moe: bool, dp_size: int = 1, dp_rank: int = 0,
+             **fields: Any) -> WeightCacheKey:
+    """The one rule for a rank's key, shared by the loader, the daemon
+    (through :func:`key_from_vllm`) and the gate's key checks.
+
+    Dense models key DP as (1, 0): vLLM runs their DP ranks as independent
+    replicas with identical weights (it resets ``data_parallel_rank`` to 0 in
+    each engine core). MoE models shard experts by DP.
+
+    >>> rank_key("ab" * 32, is_moe=False, dp_size=2, dp_rank=1).dp_size
+    1
+    """
+    return WeightCacheKey(content_digest=content_digest, dp_size=dp_size if is_moe else 1,
+                          dp_rank=dp_rank if is_moe else 0, **fields)

@@ -12,6 +12,7 @@ import importlib
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from preload.errors import PreloadGateError
 
@@ -25,8 +26,16 @@ _VERB_MODULES = (
 )
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad usage is one line naming the problem and where help is, exit 2
+    (argparse's default prints the whole usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="preload-gate",
         description="Restart vLLM engines from preloaded weights, keyed by content, and prove it.",
     )

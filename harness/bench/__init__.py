@@ -35,6 +35,7 @@ ROW_MODULES = (
     "harness.bench.gpu",
     "harness.bench.gate",
     "harness.bench.load",
+    "harness.bench.preflight",
 )
 
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from preload.daemon.placement import Parallelism, Placement, plan_local_ranks
-from preload.daemon.rank import RankConfig
 from preload.errors import ManifestError, PreloadGateError
 from preload.identity.manifest import load_manifest
 from preload.sockets import socket_dir
+from preload.trust import require_unsafe_controls
 
 log = logging.getLogger("preload.daemon")
 
@@ -109,6 +109,10 @@ class Launcher:
 
     def start(self) -> dict[str, Any]:
         """Start every rank and wait for all of them; returns the ready event."""
+        # Imported here, not at the top: the preflight before it must not
+        # pay for torch (a refusal is meant to take milliseconds).
+        from preload.daemon.rank import RankConfig
+
         opts = self.opts
         placements = plan_local_ranks(opts.parallel)
         digest, _source = expected_digest(opts)
@@ -194,9 +198,23 @@ class Launcher:
                 proc.wait()
 
 
+def preflight(opts: PreloadOptions) -> None:
+    """Every check that needs no weights, before a rank reads a byte
+    (:mod:`preload.preflight`): the checkpoint, the socket root and path
+    lengths, the rank locks, the health port, the unsafe-control switch."""
+    from preload.preflight import preflight_daemon
+
+    if opts.unsafe_identity is not None:
+        require_unsafe_controls("--unsafe-identity")
+    digest, _source = expected_digest(opts)
+    ranks = [p.global_rank for p in plan_local_ranks(opts.parallel)]
+    preflight_daemon(opts.checkpoint, opts.socket_root, ranks, digest, opts.health_host, opts.health_port)
+
+
 def run(opts: PreloadOptions, out: Any = None) -> int:
     """Start, announce, serve until SIGTERM/SIGINT; the ``preload`` verb."""
     out = out or sys.stdout
+    preflight(opts)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     launcher = Launcher(opts)

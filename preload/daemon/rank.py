@@ -115,6 +115,9 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None) -> 
     if cfg.unsafe_identity is not None:
         if cfg.unsafe_identity not in UNSAFE_IDENTITIES:
             raise PreloadGateError(f"unknown unsafe identity {cfg.unsafe_identity!r}")
+        from preload.trust import require_unsafe_controls
+
+        require_unsafe_controls("--unsafe-identity")
         expected = header_only_digest(cfg.checkpoint)
         log.warning(
             "UNSAFE: --unsafe-identity header_only: serving under vLLM's header-only hash %s and "

@@ -64,6 +64,9 @@ class RankServer:
         self.checkpoint = checkpoint
         self.stats = RankStats()
         self.released = False
+        # Set (under _mutex) when the arena is closed by release or stop: no
+        # reply may carry its descriptors after that.
+        self._arena_closed = False
         self._lock = lock
         self._mutex = threading.Lock()
         self._stop = threading.Event()
@@ -152,7 +155,16 @@ class RankServer:
             except OSError:
                 pass
         self._lock.release()
-        self.filled.arena.close()
+        self._close_arena()
+
+    def _close_arena(self) -> None:
+        """Close the arena under the mutex, so a state reply either duplicated
+        its descriptors before (and sends its own copies) or sees it closed."""
+        with self._mutex:
+            if self._arena_closed:
+                return
+            self._arena_closed = True
+            self.filled.arena.close()
 
     def _accept_loop(self) -> None:
         listener = self._listener  # each bound socket has its own loop (rebind)
@@ -197,7 +209,14 @@ class RankServer:
                     os.close(fd)
                 if not self._handle(conn, frame.body):
                     return
-        except OSError:
+        except OSError as exc:
+            log.info("rank %d: connection closed: %s", self.global_rank, exc)
+            return
+        except Exception as exc:
+            # A bug must cost one connection, answered and logged, never the
+            # thread's silence.
+            log.exception("rank %d: request failed", self.global_rank)
+            self._reply(conn, protocol.error_reply(f"internal error: {type(exc).__name__}: {exc}"))
             return
         finally:
             with self._mutex:
@@ -209,11 +228,14 @@ class RankServer:
             self.stats.bad_frames += 1
         log.warning("rank %d: bad frame: %s", self.global_rank, exc)
 
-    def _reply(self, conn: socket.socket, body: dict[str, Any], fds: list[int] | None = None) -> None:
+    def _reply(self, conn: socket.socket, body: dict[str, Any], fds: list[int] | None = None) -> bool:
+        """Send one frame; False (logged) when it did not go out."""
         try:
             protocol.send_frame(conn, body, fds or (), self.deadline_s)
-        except (OSError, ProtocolError):
-            pass
+        except (OSError, ProtocolError) as exc:
+            log.warning("rank %d: reply %r not sent: %s", self.global_rank, body.get("status"), exc)
+            return False
+        return True
 
     def _handle(self, conn: socket.socket, body: dict[str, Any]) -> bool:
         """Answer one request; False closes the connection."""
@@ -263,25 +285,40 @@ class RankServer:
             return
         fields = self.key.mismatched_fields(key)
         if fields:
-            with self._mutex:
-                self.stats.misses["key_mismatch:" + ",".join(fields)] += 1
-            self._reply(conn, {"status": "mismatch", "fields": fields, "key": self.key.to_json(), **self._identity()})
-            return
-        if self.released:
-            with self._mutex:
-                self.stats.misses["released"] += 1
-            self._reply(conn, protocol.error_reply("the arena was released (copy mode); restart the daemon"))
+            reply = {"status": "mismatch", "fields": fields, "key": self.key.to_json(), **self._identity()}
+            if self._reply(conn, reply):
+                with self._mutex:
+                    self.stats.misses["key_mismatch:" + ",".join(fields)] += 1
             return
         f = self.filled
-        reply = {
-            "status": "ok", **self._identity(), "entries": f.layout.to_json(),
-            "total_bytes": f.layout.total_bytes, "aliases": f.aliases,
-            "descriptor": f.arena.descriptor(), "key": self.key.to_json(),
-            "checksums": f.checksums,
-        }
         with self._mutex:
-            self.stats.hits += 1
-        self._reply(conn, reply, f.arena.fds())
+            # Race-free against release/stop: duplicate the descriptors while
+            # the arena is known open, send the duplicates, close them after.
+            gone = "released" if self.released else ("stopped" if self._arena_closed else None)
+            dups = [] if gone else [os.dup(fd) for fd in f.arena.fds()]
+            # A CUDA export is taken from the live arena too.
+            descriptor = None if gone else f.arena.descriptor()
+        if gone:
+            why = ("the arena was released (copy mode); restart the daemon" if gone == "released"
+                   else "the daemon is stopping")
+            if self._reply(conn, protocol.error_reply(why)):
+                with self._mutex:
+                    self.stats.misses[gone] += 1
+            return
+        try:
+            reply = {
+                "status": "ok", **self._identity(), "entries": f.layout.to_json(),
+                "total_bytes": f.layout.total_bytes, "aliases": f.aliases,
+                "descriptor": descriptor, "key": self.key.to_json(),
+                "checksums": f.checksums,
+            }
+            sent = self._reply(conn, reply, dups)
+        finally:
+            for fd in dups:
+                os.close(fd)
+        if sent:  # a hit is a reply the engine received, not one we tried
+            with self._mutex:
+                self.stats.hits += 1
 
     def _watch(self, conn: socket.socket) -> None:
         """Hold the connection open; its close is the daemon-loss signal."""
@@ -306,7 +343,7 @@ class RankServer:
                 return
             self.released = True
             self.stats.releases += 1
-        self.filled.arena.close()
+        self._close_arena()
         log.info("rank %d: arena released on request (copy mode)", self.global_rank)
 
     def snapshot(self) -> dict[str, Any]:

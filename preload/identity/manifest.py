@@ -33,8 +33,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from preload import _atomic
-from preload.errors import CheckpointError, ManifestError
+from preload import _atomic, trust
+from preload.errors import CheckpointError, ManifestError, WriteError
 from preload.identity.digest import checkpoint_digest, hash_shards
 from preload.identity.fileset import select_files, servable
 from preload.identity.shards import INDEX_NAME, check_unique_tensors, read_header, shard_paths
@@ -199,8 +199,22 @@ def build_manifest(
 
 def write_manifest(manifest: Manifest, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     path = manifest_path(manifest.checkpoint, cache_dir)
-    _atomic.write_json(path, manifest.to_json())
+    prepare_manifest_dir(path.parent)
+    _atomic.write_json(path, manifest.to_json(), mode=0o600)
     return path
+
+
+def prepare_manifest_dir(directory: Path) -> None:
+    """The manifests directory exists, is ours and is 0700 (manifests decide
+    which daemon an engine trusts: :mod:`preload.trust`)."""
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise WriteError(str(directory), exc) from exc
+    trust.verify_private_dir(directory, "manifest directory")
 
 
 def load_manifest(
@@ -212,6 +226,10 @@ def load_manifest(
     # elsewhere reads as stale. A symlinked path falls back to the real one.
     for resolve in (False, True):
         path = manifest_path(checkpoint, cache_dir, resolve=resolve)
+        if not os.path.lexists(path):
+            continue
+        # Whoever can write a manifest decides which daemon an engine attaches to.
+        trust.verify_private_file(path, "manifest")
         try:
             obj = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:

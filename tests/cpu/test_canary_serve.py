@@ -153,8 +153,10 @@ def scene(tiny_ckpt, tmp_path_factory):
     try:
         # The CONTROL first (it starts while the pipeline works): keyed by
         # vLLM's header hash, holding the OLD weights, and a replica asking it for `new`.
-        control = Daemon(old, root_wrong, cache, ("--stage", "loaded", *ENGINE_ARGS,
-                                                  "--unsafe-identity", "header_only")).start(timeout=300)
+        with pytest.MonkeyPatch.context() as mp:  # the negative control's test-only switch
+            mp.setenv("PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS", "1")
+            control = Daemon(old, root_wrong, cache, ("--stage", "loaded", *ENGINE_ARGS,
+                                                      "--unsafe-identity", "header_only")).start(timeout=300)
         events_wrong = work / "wrong.events.jsonl"
         extra = {"socket_root": str(root_wrong), "fallback": False, "events_file": str(events_wrong),
                  "unsafe_identity": "header_only"}
@@ -162,7 +164,7 @@ def scene(tiny_ckpt, tmp_path_factory):
         replicas.append(Replica("wrong", [*SERVE, "--model", str(new), "--port", str(port), *ENGINE_ARGS,
                                           "--load-format", "verified_cache",
                                           "--model-loader-extra-config", json.dumps(extra)],
-                                port, env, work / "wrong.log"))
+                                port, dict(env, PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS="1"), work / "wrong.log"))
         out = work / "promotion"
         pipe = subprocess.run(
             ["bash", str(REPO / "ci" / "promote_pipeline.sh"), str(new), "--out", str(out),

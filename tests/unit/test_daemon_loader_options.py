@@ -21,7 +21,8 @@ def test_defaults_are_safe():
         "zero_copy", True, "stat", None, False)
 
 
-def test_every_documented_key_parses():
+def test_every_documented_key_parses(monkeypatch):
+    monkeypatch.setenv("PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS", "1")
     o = LoaderOptions.from_extra({
         "socket_root": "/r", "socket_dir": "/r/x", "mode": "copy", "fallback": False, "identity": "pinned",
         "expected_digest": "ab" * 32, "verify_resident": True, "events_file": "/e", "connect_timeout_s": 1,
@@ -40,10 +41,22 @@ def test_every_documented_key_parses():
     ({"connect_timeout_s": True}, "positive number"),
     ({"unsafe_identity": "sampled_1k"}, "must be 'header_only'"),
     ({"socket_root": 5}, "must be a string"),
+    ({"identity": "pinned", "expected_digest": "g" * 64}, "must be 64 hex characters"),
 ])
 def test_bad_extra_config_is_one_clear_error(extra, match):
     with pytest.raises(LoaderConfigError, match=match):
         LoaderOptions.from_extra(extra)
+
+
+@pytest.mark.parametrize("extra", [{"unsafe_identity": "header_only"}, {"unsafe_silent_fallback": True}])
+def test_negative_controls_need_the_test_only_switch(monkeypatch, extra):
+    """Refused by name without PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS=1; accepted
+    with it (control)."""
+    monkeypatch.delenv("PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS", raising=False)
+    with pytest.raises(LoaderConfigError, match="PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS=1"):
+        LoaderOptions.from_extra(extra)
+    monkeypatch.setenv("PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS", "1")
+    LoaderOptions.from_extra(extra)
 
 
 def test_loader_module_imports_without_vllm():
@@ -84,3 +97,19 @@ def test_events_env_and_concurrent_ranks_do_not_interleave(tmp_path, monkeypatch
 def test_outcome_is_checked():
     with pytest.raises(ValueError, match="outcome"):
         LoadEvent(outcome="maybe", reason="")
+
+
+@pytest.mark.parametrize("kind,configured,want", [
+    ("cuda", None, True),    # default on where a zero-copy engine can write the daemon's memory
+    ("shm", None, False),    # a sealed, MAP_PRIVATE arena cannot change
+    ("cuda", False, False),  # an explicit setting wins
+    ("shm", True, True),
+])
+def test_verify_resident_defaults_on_for_cuda_arenas(kind, configured, want):
+    from types import SimpleNamespace
+
+    from preload.loader import _should_verify
+
+    extra = {} if configured is None else {"verify_resident": configured}
+    state = SimpleNamespace(descriptor={"kind": kind})
+    assert _should_verify(LoaderOptions.from_extra(extra), state) is want

@@ -42,16 +42,27 @@ def test_catalogue_extends_the_fixture_table_without_copying_it():
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_required_outcome_follows_weights_and_settings(case: GateCase):
-    equal_everything = case.weights_equal and case.settings == EngineSettings()
-    assert case.expect == ("hit" if equal_everything else "miss")
+def test_required_outcome_follows_weights_and_the_product_key(case: GateCase):
+    # dense model: DP replicas hold the full weights, so dp_shift must hit
+    unchanged_key = not case.key_check(DIGEST).mismatched_fields
+    assert case.expect == ("hit" if case.weights_equal and unchanged_key else "miss")
+    if case.name == "dp_shift":
+        assert case.expect == "hit"
 
 
-@pytest.mark.parametrize("name,field", [("dtype_change", "dtype"), ("tp_shift", "tp_size"), ("dp_shift", "dp_size")])
+@pytest.mark.parametrize("name,field", [("dtype_change", "dtype"), ("tp_shift", "tp_size")])
 def test_setting_cases_key_check_names_the_field(name, field):
     (case,) = select_cases(name)
     check = case.key_check(DIGEST)
     assert field in check.mismatched_fields and check.ok
+
+
+def test_dp_shift_key_follows_the_products_moe_rule():
+    """Same function as the loader and daemon (rank_key): dense keys DP as
+    (1, 0); MoE keys it by size, so a MoE dp_shift would require a miss."""
+    (case,) = select_cases("dp_shift")
+    assert case.key_check(DIGEST, is_moe=False).mismatched_fields == ()
+    assert "dp_size" in case.key_check(DIGEST, is_moe=True).mismatched_fields
 
 
 def test_key_check_fails_when_settings_do_not_change_the_key():
@@ -146,3 +157,56 @@ def test_reference_cache_keys_on_digest_settings_version_and_skips_failures(tmp_
     assert cache.get(k) is None
     cache.put(k, EngineResult(ok=True, token_ids=[[1, 2]]))
     assert cache.get(k).token_ids == [[1, 2]]
+
+
+def test_case_is_not_run_until_judged(tiny_ckpt, tmp_path, monkeypatch):
+    """A prepared case is NOT_RUN and a report of it cannot pass; judging the
+    same case (control) is what turns it into PASS."""
+    from harness.gate import _judge, _prepare, content_digest
+
+    monkeypatch.setattr("harness.gate.HEADER_IMPL", "reimpl")
+    (case,) = select_cases("identical_copy")
+    digest = content_digest(tiny_ckpt)
+    sock = tmp_path / "s"
+    sock.mkdir(mode=0o700)
+    p = _prepare(GateOptions(candidate=str(tiny_ckpt), mutations="identical_copy"), case, tiny_ckpt, tiny_ckpt,
+                 digest, tmp_path / "w", str(sock), True)
+    assert p.result.status == NOT_RUN and p.result.not_run_reason
+    report = GateReport("self-test", "verified_cache", "c", "b", [p.result], {}, 1e-3, None)
+    assert report.verdict == NOT_RUN and report.exit_code == 2
+    same = EngineResult(ok=True, token_ids=[[1, 2]])
+    p.result.reference = same
+    p.result.cached = EngineResult(ok=True, token_ids=[[1, 2]],
+                                   events=[{"outcome": "hit", "rank": 0, "digest": digest, "daemon_digest": digest}])
+    _judge(GateOptions(candidate=str(tiny_ckpt)), p)
+    assert p.result.status == PASS and report.verdict == PASS
+
+
+def test_switch_to_identical_base_requires_a_hit(tiny_ckpt, tmp_path, monkeypatch):
+    """`gate A --base A`: equal content, equal key: a hit is required. Control:
+    a base with other content requires a miss. Neither follows from the name."""
+    from harness.gate import _prepare, _switch_case, content_digest
+
+    monkeypatch.setattr("harness.gate.HEADER_IMPL", "reimpl")
+    sock = tmp_path / "s"
+    sock.mkdir(mode=0o700)
+    digest = content_digest(tiny_ckpt)
+    o1 = GateOptions(candidate=str(tiny_ckpt), base=str(tiny_ckpt))
+    same = _prepare(o1, _switch_case(o1), tiny_ckpt, tiny_ckpt, digest, tmp_path / "w1", str(sock), False)
+    assert same.result.expect == "hit" and same.cached_spec.extra_config["fallback"] is False
+    other = tmp_path / "other"
+    from fixtures.tiny import write_tiny
+
+    write_tiny(other, seed=99)
+    o2 = GateOptions(candidate=str(tiny_ckpt), base=str(other))
+    diff = _prepare(o2, _switch_case(o2), tiny_ckpt, tiny_ckpt, digest, tmp_path / "w2", str(sock), False)
+    assert diff.result.expect == "miss" and diff.cached_spec.extra_config["fallback"] is True
+
+
+def test_reference_cache_refuses_a_loose_or_foreign_file(tmp_path):
+    cache = ReferenceCache(tmp_path / "refs")
+    cache.put("k", EngineResult(ok=True, token_ids=[[1]]))
+    assert cache.get("k").token_ids == [[1]]  # control: our own 0600 file is used
+    (tmp_path / "refs" / "k.json").chmod(0o644)
+    with pytest.raises(GateSetupError, match="group/world accessible"):
+        cache.get("k")

@@ -57,10 +57,10 @@ def test_hit_case_turns_fallback_off_and_controls_reach_the_loader(tiny_ckpt, tm
 
 
 def test_not_run_cases_still_get_their_key_check(tiny_ckpt, tmp_path):
-    p, _ = _prep("dp_shift", tiny_ckpt, tmp_path)
-    assert p.result.status == "NOT_RUN" and "data-parallel" in p.result.not_run_reason
-    assert p.result.key_check["ok"] and p.cached_spec is None
     tp, _ = _prep("tp_shift", tiny_ckpt, tmp_path / "x")
     assert tp.result.status == "NOT_RUN" and tp.result.key_check["mismatched_fields"] == ["tp_size"]
+    assert "--run-tp" in tp.result.not_run_reason and tp.cached_spec is None
     tp_run, _ = _prep("tp_shift", tiny_ckpt, tmp_path / "y", run_tp=True)
-    assert tp_run.result.status == "PASS" and tp_run.cached_spec.tensor_parallel_size == 2
+    # prepared to run, still NOT_RUN until judged
+    assert tp_run.result.status == "NOT_RUN" and tp_run.cached_spec.tensor_parallel_size == 2
+    assert tp_run.result.expect == "miss"

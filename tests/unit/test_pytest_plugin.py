@@ -49,3 +49,44 @@ def test_plugin_is_registered_and_skips_without_a_checkpoint(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no checkpoint: pass --preload-gate-checkpoint" in proc.stdout
+
+
+USER_TESTS = '''
+import pytest
+from harness.engine import EngineResult
+
+@pytest.fixture(scope="session")
+def preload_gate_checkpoint():
+    return "{ckpt}"
+
+def _run(events):
+    return EngineResult(ok=True, token_ids=[[1, 2, 3]], events=events)
+
+def test_silent_fallback(assert_same_output):
+    assert_same_output(_run([]), _run([]))
+
+def test_hit(assert_same_output):
+    assert_same_output(_run([]), _run([{{"outcome": "hit", "rank": 0}}]))
+
+def test_loud_miss(assert_same_output):
+    assert_same_output(_run([]), _run([{{"outcome": "miss", "rank": 0, "reason": "no daemon"}}]))
+
+def test_two_disk_engines(assert_same_output):
+    assert_same_output(_run([]), _run([]), cached=False)
+'''
+
+
+def test_equivalence_assertion_fails_a_cached_engine_with_no_load_event(tmp_path, tiny_ckpt):
+    """Same tokens, no load event: the silent fallback fails, naming itself.
+    Controls: the same tokens with a hit event pass, and two disk engines
+    compared with cached=False pass (so the failure is the missing event)."""
+    (tmp_path / "test_user.py").write_text(USER_TESTS.format(ckpt=tiny_ckpt))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+                           "-p", "no:randomly", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = proc.stdout
+    assert "FAILED test_user.py::test_silent_fallback" in out, out
+    assert "recorded no load event" in out and "silent fallback" in out, out
+    assert "PASSED test_user.py::test_hit" in out, out
+    assert "FAILED test_user.py::test_loud_miss" in out and "did not hit: no daemon" in out, out
+    assert "PASSED test_user.py::test_two_disk_engines" in out, out

@@ -1,0 +1,192 @@
+"""Checks that need no weights, run before the first weight byte is read.
+
+A socket path over the AF_UNIX limit, a socket root under a missing
+directory, a rank lock another daemon holds, a busy ``--health-port``, a
+manifest cache that cannot be written or cannot be trusted: each is known in
+milliseconds, so none may cost a user a whole load and then a traceback.
+Each check raises :class:`PreflightError`, one line naming the thing and the
+fix, and creates nothing (a lock is probed on an existing file only, a port
+is bound and released at once).
+
+>>> preflight_daemon(socket_root="/run/user/1000/pg", ranks=[0], health_port=None)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+from collections.abc import Iterable
+from pathlib import Path
+
+from preload import trust
+from preload.errors import PreloadGateError
+
+# sun_path is 108 bytes on Linux, one of them the terminating NUL.
+AF_UNIX_MAX = 107
+_DIGEST_PREFIX = 16
+
+
+class PreflightError(PreloadGateError):
+    """A check that needs no weights failed; the message names the fix."""
+
+
+def socket_path_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be bound or connected as an AF_UNIX socket, or None."""
+    n = len(os.fsencode(os.fspath(path)))
+    if n > AF_UNIX_MAX:
+        return (f"socket path {path} is {n} bytes, over the AF_UNIX limit of {AF_UNIX_MAX}; "
+                f"use a shorter --socket-root (or PRELOAD_GATE_SOCKET_ROOT)")
+    return None
+
+
+def check_socket_root(root: str | os.PathLike[str], ranks: Iterable[int] = (0,)) -> None:
+    """The socket paths fit AF_UNIX, the root's parent exists, the root (if it
+    exists) is private. The digest directory is ``<root>/<16 hex>``, so its
+    length is known before the digest is."""
+    r = Path(root)
+    for rank in ranks:
+        problem = socket_path_problem(r / ("0" * _DIGEST_PREFIX) / f"rank{rank}.sock")
+        if problem:
+            raise PreflightError(problem.replace(f"{r}/{'0' * _DIGEST_PREFIX}", f"{r}/<digest16>"))
+    parent = r.parent
+    if not parent.is_dir():
+        raise PreflightError(f"the socket root's parent directory {parent} does not exist; "
+                             f"create it (mkdir -p {parent}) or choose another --socket-root")
+    if os.path.lexists(r):
+        try:
+            trust.verify_private_dir(r, "socket root")
+        except trust.UntrustedPathError as exc:
+            raise PreflightError(str(exc)) from exc
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        raise PreflightError(f"cannot create the socket root {r}: {parent} is not writable; "
+                             f"choose another --socket-root")
+
+
+def check_rank_locks(socket_dir: str | os.PathLike[str], ranks: Iterable[int]) -> None:
+    """No other daemon holds a rank's lock in ``socket_dir`` (probed on an
+    existing lock file only; nothing is created)."""
+    from preload.daemon.lock import lock_path
+
+    for rank in ranks:
+        path = lock_path(socket_dir, rank)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise PreflightError(f"cannot open the rank lock {path}: {exc.strerror}; remove it") from exc
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                raise PreflightError(
+                    f"another daemon (pid {holder}) already serves rank {rank} in {socket_dir}; "
+                    "stop it first (preload-gate status lists it)") from None
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+
+def check_port(host: str, port: int) -> None:
+    """``host:port`` can be bound now (as the health server binds it)."""
+    if not 0 <= port <= 65535:
+        raise PreflightError(f"--health-port {port} is not a TCP port (0-65535)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise PreflightError(f"--health-host {host} does not resolve: {exc.strerror}") from exc
+    family, _, _, _, addr = infos[0]
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server does
+        s.bind(addr)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise PreflightError(f"--health-port {port} on {host} is already in use; choose another "
+                                 f"port or stop what holds it (ss -ltnp 'sport = :{port}')") from exc
+        raise PreflightError(f"cannot bind --health-port {port} on {host}: {exc.strerror}") from exc
+    finally:
+        s.close()
+
+
+def check_cache_dir(cache_dir: str | os.PathLike[str] | None, checkpoint: str | os.PathLike[str] | None = None,
+                    write: bool = True) -> None:
+    """The manifest directory can be written (or created) and, where it or the
+    checkpoint's manifest exists, is trusted."""
+    from preload.identity.manifest import default_cache_dir, manifest_path
+
+    base = Path(cache_dir) if cache_dir else default_cache_dir()
+    mdir = base / "manifests"
+    try:
+        if os.path.lexists(mdir):
+            trust.verify_private_dir(mdir, "manifest directory")
+        if checkpoint is not None:
+            mpath = manifest_path(checkpoint, base)
+            if os.path.lexists(mpath):
+                trust.verify_private_file(mpath, "manifest")
+    except trust.UntrustedPathError as exc:
+        raise PreflightError(str(exc)) from exc
+    if not write:
+        return
+    probe = mdir
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise PreflightError(f"the manifest cache {mdir} cannot be created: {probe} is not a directory; "
+                             f"set --cache-dir or PRELOAD_GATE_CACHE to a writable directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = "" if probe == mdir else f" (its nearest existing parent {probe})"
+        raise PreflightError(f"the manifest cache {mdir}{where} is not writable; set --cache-dir "
+                             f"or PRELOAD_GATE_CACHE to a writable directory")
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return
+    if st.f_flag & os.ST_RDONLY:
+        raise PreflightError(f"the manifest cache {mdir} is on a read-only filesystem; set --cache-dir "
+                             f"or PRELOAD_GATE_CACHE to a writable directory")
+
+
+def check_checkpoint(checkpoint: str | os.PathLike[str]) -> None:
+    p = Path(checkpoint)
+    if not p.exists():
+        raise PreflightError(f"checkpoint directory {p} does not exist")
+    if not p.is_dir():
+        raise PreflightError(f"checkpoint {p} is not a directory")
+    if not os.access(p, os.R_OK | os.X_OK):
+        raise PreflightError(f"checkpoint directory {p} is not readable")
+
+
+def preflight_daemon(checkpoint: str | os.PathLike[str], socket_root: str | os.PathLike[str] | None,
+                     ranks: Iterable[int], digest: str | None, health_host: str = "127.0.0.1",
+                     health_port: int | None = None) -> None:
+    """Everything ``preload`` can check before it reads a weight byte."""
+    from preload.sockets import default_socket_root, socket_dir
+
+    ranks = list(ranks)
+    check_checkpoint(checkpoint)
+    root = Path(socket_root) if socket_root else default_socket_root()
+    check_socket_root(root, ranks)
+    if digest is not None:
+        sdir = socket_dir(digest, root)
+        if os.path.lexists(sdir):
+            try:
+                trust.verify_private_dir(sdir, "socket directory")
+            except trust.UntrustedPathError as exc:
+                raise PreflightError(str(exc)) from exc
+            check_rank_locks(sdir, ranks)
+    if health_port is not None:
+        check_port(health_host, health_port)
+
+
+def preflight_promote(checkpoint: str | os.PathLike[str], socket_root: str | os.PathLike[str] | None,
+                      cache_dir: str | os.PathLike[str] | None) -> None:
+    """Everything ``promote`` can check before it hashes a byte."""
+    from preload.sockets import default_socket_root
+
+    check_checkpoint(checkpoint)
+    check_socket_root(Path(socket_root) if socket_root else default_socket_root())
+    check_cache_dir(cache_dir, checkpoint)

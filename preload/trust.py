@@ -1,0 +1,104 @@
+"""Who may have written a path this process is about to believe.
+
+A socket decides which daemon an engine talks to; a manifest decides (in
+``stat`` mode) which digest, hence which daemon, an engine attaches to; the
+gate's reference cache decides what "right" output is. Whoever can write any
+of them can point engines at other weights, so all three get one rule:
+owned by this user, no group or world access (directories 0700, files
+0600), and no symlink anywhere we are asked to trust. The error names the
+path and the command that fixes it.
+
+>>> verify_private_dir("/run/user/1000/preload-gate")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from preload.errors import InsecureSocketError
+
+# Test-only switch for the negative controls (``unsafe_identity``,
+# ``unsafe_silent_fallback``, ``preload --unsafe-identity``): without it they
+# are a configuration error, so no production config can turn them on. The
+# gate sets it for its own child processes only.
+UNSAFE_CONTROLS_ENV = "PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS"
+
+
+class UntrustedPathError(InsecureSocketError):
+    """A directory or file failed the owner, mode or symlink rule."""
+
+
+def unsafe_controls_allowed() -> bool:
+    return os.environ.get(UNSAFE_CONTROLS_ENV) == "1"
+
+
+def require_unsafe_controls(what: str) -> None:
+    """Raise a one-line configuration error unless the test-only switch is set."""
+    if not unsafe_controls_allowed():
+        from preload.errors import PreloadGateError
+
+        raise PreloadGateError(
+            f"{what} is a negative control for tests only; it is refused unless "
+            f"{UNSAFE_CONTROLS_ENV}=1 is set in the environment (never set it in production)"
+        )
+
+
+def _check(path: Path, info: os.stat_result, what: str, want_dir: bool) -> None:
+    if stat.S_ISLNK(info.st_mode):
+        raise UntrustedPathError(f"refusing symlinked {what} {path}; replace it with a real "
+                                 f"{'directory' if want_dir else 'file'}")
+    if want_dir and not stat.S_ISDIR(info.st_mode):
+        raise UntrustedPathError(f"{what} {path} is not a directory")
+    if not want_dir and not stat.S_ISREG(info.st_mode) and not stat.S_ISSOCK(info.st_mode):
+        raise UntrustedPathError(f"{what} {path} is not a regular file")
+    if info.st_uid != os.getuid():
+        raise UntrustedPathError(
+            f"{what} {path} is owned by uid {info.st_uid}, not {os.getuid()}; remove it or use "
+            f"a directory of your own"
+        )
+    if info.st_mode & 0o077:
+        want = "700" if want_dir else "600"
+        raise UntrustedPathError(
+            f"{what} {path} is group/world accessible (mode {stat.S_IMODE(info.st_mode):04o}); "
+            f"run: chmod {want} {path}"
+        )
+
+
+def verify_private_dir(directory: str | os.PathLike[str], what: str = "directory") -> None:
+    """A real directory, owned by us, with no group or world access."""
+    p = Path(directory)
+    try:
+        info = os.lstat(p)
+    except FileNotFoundError as exc:
+        raise UntrustedPathError(f"{what} {p} does not exist") from exc
+    _check(p, info, what, want_dir=True)
+
+
+def verify_private_file(path: str | os.PathLike[str], what: str = "file") -> None:
+    """A regular file (or socket), owned by us, 0600 at most, in a private directory."""
+    p = Path(path)
+    verify_private_dir(p.parent, f"{what} directory")
+    try:
+        info = os.lstat(p)
+    except FileNotFoundError as exc:
+        raise UntrustedPathError(f"{what} {p} does not exist") from exc
+    _check(p, info, what, want_dir=False)
+
+
+def ensure_private_dir(directory: str | os.PathLike[str], what: str = "directory",
+                       parents: int = 0) -> Path:
+    """Create ``directory`` 0700 (and up to ``parents`` missing levels above it,
+    also 0700), then verify it. An existing parent that is not ours is left
+    alone; only the levels we trust are checked."""
+    d = Path(directory)
+    chain = [d] + list(d.parents)[:parents]
+    for p in reversed(chain):
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            pass
+    for p in reversed(chain):
+        verify_private_dir(p, what)
+    return d

@@ -1,0 +1,135 @@
+"""Every CLI verb against bad input: exit 2, one line on stderr, no traceback,
+nothing new on disk.
+
+Each row is a verb and arguments a person could type by mistake (or a
+machine could hand them: a busy port, a deep socket root, a read-only or
+loose cache). Preflight rows fail before a weight byte is read; "nothing new
+on disk" is checked over every place the verbs write: the cache, the socket
+root, the temp dir and the working directory.
+
+Controls: the same checker on a good promote (exit 0, writes a manifest)
+fails, so the checker tells a refusal from a success; and a deliberately
+two-line error fails the one-line rule.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.unit, pytest.mark.xdist_group(name="cli_bad_input")]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _tree(*roots: Path) -> set[str]:
+    out: set[str] = set()
+    for root in roots:
+        if root.exists():
+            out |= {str(p) for p in root.rglob("*")}
+            out.add(str(root))
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_ckpt):
+    base = tmp_path_factory.mktemp("badcli")
+    ckpt = base / "ckpt"
+    import shutil
+
+    shutil.copytree(tiny_ckpt, ckpt)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    (base / "afile").write_text("x")
+    loose = base / "loosecache"
+    (loose / "manifests").mkdir(parents=True)
+    (loose / "manifests").chmod(0o755)
+    yield {"base": base, "ckpt": ckpt, "port": busy.getsockname()[1], "long": base / ("d" * 60) / ("e" * 40)}
+    busy.close()
+
+
+def _run(world, argv: list[str], extra_env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, set, set]:
+    base = world["base"]
+    work = base / "cwd"
+    for d in ("cache", "sock", "tmp", "cwd"):
+        (base / d).mkdir(mode=0o700, exist_ok=True)
+    env = dict(os.environ, PRELOAD_GATE_CACHE=str(base / "cache"), PRELOAD_GATE_SOCKET_ROOT=str(base / "sock"),
+               TMPDIR=str(base / "tmp"), XDG_CACHE_HOME=str(base / "cache"), PYTHONPATH=str(REPO))
+    env.pop("PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS", None)
+    env.pop("PRELOAD_GATE_EVENTS", None)
+    env.update(extra_env or {})
+    watched = [base / "cache", base / "sock", base / "tmp", work, base / "loosecache", world["ckpt"]]
+    before = _tree(*watched)
+    argv = [a.format(ckpt=world["ckpt"], base=base, port=world["port"], long=world["long"]) for a in argv]
+    p = subprocess.run([sys.executable, "-m", "preload_gate", *argv], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=work)
+    return p, before, _tree(*watched)
+
+
+def check_refusal(p: subprocess.CompletedProcess, before: set, after: set, needle: str) -> None:
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2, f"exit {p.returncode}: {p.stderr[-2000:]}"
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert len(lines) == 1, f"{len(lines)} stderr lines: {p.stderr[-2000:]}"
+    assert needle in lines[0], lines[0]
+    assert after == before, f"new on disk: {sorted(after - before)}"
+
+
+BAD = [
+    # verb, argv, env, what the one line must name
+    ("fixtures", ["fixtures", "tiny", "{ckpt}"], None, "exists"),
+    ("fixtures", ["fixtures", "tiny", "{base}/t", "--shards", "0"], None, "shards"),
+    ("fixtures", ["fixtures", "smollm2"], None, "required"),
+    ("promote", ["promote", "{base}/nope"], None, "does not exist"),
+    ("promote", ["promote", "{ckpt}", "--socket-root", "{base}/missing/deeper/root"], None, "does not exist"),
+    ("promote", ["promote", "{ckpt}", "--socket-root", "{long}"], None, "AF_UNIX"),
+    ("promote", ["promote", "{ckpt}", "--cache-dir", "{base}/afile/sub"], None, "not a directory"),
+    ("promote", ["promote", "{ckpt}", "--cache-dir", "{base}/loosecache"], None, "chmod 700"),
+    ("fingerprints", ["fingerprints", "--base", "{base}/nope", "--candidate", "{ckpt}"], None, "nope"),
+    ("fingerprints", ["fingerprints", "--base", "{ckpt}"], None, "exactly one of"),
+    ("preload", ["preload", "{base}/nope", "--stage", "raw"], None, "does not exist"),
+    ("preload", ["preload", "{ckpt}", "--stage", "raw", "--health-port", "{port}"], None, "already in use"),
+    ("preload", ["preload", "{ckpt}", "--stage", "raw", "--socket-root", "{long}"], None, "AF_UNIX"),
+    ("preload", ["preload", "{ckpt}", "--stage", "raw", "--socket-root", "{base}/missing/r"], None,
+     "does not exist"),
+    ("preload", ["preload", "{ckpt}", "--stage", "raw", "--unsafe-identity", "header_only"], None,
+     "PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS=1"),
+    ("preload", ["preload", "{ckpt}", "--stage", "raw", "--expect-digest", "xyz"], None, "64 hex"),
+    ("status", ["status", "--bogus"], None, "unrecognized arguments"),
+    ("gate", ["gate", "{base}/nope", "--mutations", "all"], None, "does not exist"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "bogus"], None, "unknown mutation bogus"),
+    ("canary", ["canary", "record", "--model", "{base}/nope", "--out", "{base}/cwd/g.json"], None, "nope"),
+    ("canary", ["canary", "check", "--base-url", "http://127.0.0.1:9", "--golden", "{base}/nope.json"], None,
+     "nope.json"),
+    ("bench", ["bench", "--only", "no_such_row"], None, "no_such_row"),
+    ("demo", ["demo", "--bogus"], None, "unrecognized arguments"),
+]
+
+
+@pytest.mark.parametrize("verb,argv,env,needle", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_input_is_one_line_exit_2_nothing_written(world, verb, argv, env, needle):
+    p, before, after = _run(world, argv, env)
+    check_refusal(p, before, after, needle)
+
+
+def test_every_verb_has_a_row():
+    from preload_gate.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "verb")
+    assert set(sub.choices) <= {row[0] for row in BAD}, set(sub.choices) - {row[0] for row in BAD}
+
+
+def test_control_checker_rejects_a_success_and_a_two_line_error(world):
+    p, before, after = _run(world, ["promote", "{ckpt}", "--json"])
+    assert p.returncode == 0, p.stderr
+    with pytest.raises(AssertionError):
+        check_refusal(p, before, after, "")
+    two = subprocess.CompletedProcess([], 2, "", "preload-gate x: error: a\nTraceback: b\n")
+    with pytest.raises(AssertionError):
+        check_refusal(two, set(), set(), "")
