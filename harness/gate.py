@@ -177,7 +177,7 @@ class _DeploymentCase(GateCase):
     def expect(self) -> str:
         return "hit" if self.weights_equal else "miss"
 
-    def key_check(self, digest: str) -> KeyCheck:
+    def key_check(self, digest: str, is_moe: bool = False) -> KeyCheck:
         key = dense_key(digest, self.settings)
         return KeyCheck(self.expected_fields, tuple(key.mismatched_fields(key)))
 

@@ -17,6 +17,7 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -121,7 +122,8 @@ def check_cache_dir(cache_dir: str | os.PathLike[str] | None, checkpoint: str | 
     base = Path(cache_dir) if cache_dir else default_cache_dir()
     mdir = base / "manifests"
     try:
-        if os.path.lexists(mdir):
+        if os.path.lexists(mdir) and not (write and _own_real_dir(mdir)):
+            # (our own loose directory is tightened by the write: identity.manifest)
             trust.verify_private_dir(mdir, "manifest directory")
         if checkpoint is not None:
             mpath = manifest_path(checkpoint, base)
@@ -148,6 +150,11 @@ def check_cache_dir(cache_dir: str | os.PathLike[str] | None, checkpoint: str | 
     if st.f_flag & os.ST_RDONLY:
         raise PreflightError(f"the manifest cache {mdir} is on a read-only filesystem; set --cache-dir "
                              f"or PRELOAD_GATE_CACHE to a writable directory")
+
+
+def _own_real_dir(path: Path) -> bool:
+    st = os.lstat(path)
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
 
 
 def check_checkpoint(checkpoint: str | os.PathLike[str]) -> None:

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -214,6 +216,13 @@ def prepare_manifest_dir(directory: Path) -> None:
         pass
     except OSError as exc:
         raise WriteError(str(directory), exc) from exc
+    st = os.lstat(directory)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077:
+        # Our own directory from a version that made it 0755: tighten it on
+        # the next promote (a foreign or symlinked one is still refused).
+        os.chmod(directory, 0o700)
+        logging.getLogger("preload.identity").warning(
+            "tightened the manifest directory %s to 0700 (it was %04o)", directory, stat.S_IMODE(st.st_mode))
     trust.verify_private_dir(directory, "manifest directory")
 
 

@@ -47,9 +47,9 @@ def world(tmp_path_factory, tiny_ckpt):
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
     (base / "afile").write_text("x")
-    loose = base / "loosecache"
-    (loose / "manifests").mkdir(parents=True)
-    (loose / "manifests").chmod(0o755)
+    foreign = base / "foreigncache"
+    (foreign / "manifests").mkdir(parents=True, mode=0o700)
+    os.chown(foreign / "manifests", 65534, 65534)  # another user's (nobody) manifests
     yield {"base": base, "ckpt": ckpt, "port": busy.getsockname()[1], "long": base / ("d" * 60) / ("e" * 40)}
     busy.close()
 
@@ -64,7 +64,7 @@ def _run(world, argv: list[str], extra_env: dict[str, str] | None = None) -> tup
     env.pop("PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS", None)
     env.pop("PRELOAD_GATE_EVENTS", None)
     env.update(extra_env or {})
-    watched = [base / "cache", base / "sock", base / "tmp", work, base / "loosecache", world["ckpt"]]
+    watched = [base / "cache", base / "sock", base / "tmp", work, base / "foreigncache", world["ckpt"]]
     before = _tree(*watched)
     argv = [a.format(ckpt=world["ckpt"], base=base, port=world["port"], long=world["long"]) for a in argv]
     p = subprocess.run([sys.executable, "-m", "preload_gate", *argv], capture_output=True, text=True,
@@ -90,7 +90,7 @@ BAD = [
     ("promote", ["promote", "{ckpt}", "--socket-root", "{base}/missing/deeper/root"], None, "does not exist"),
     ("promote", ["promote", "{ckpt}", "--socket-root", "{long}"], None, "AF_UNIX"),
     ("promote", ["promote", "{ckpt}", "--cache-dir", "{base}/afile/sub"], None, "not a directory"),
-    ("promote", ["promote", "{ckpt}", "--cache-dir", "{base}/loosecache"], None, "chmod 700"),
+    ("promote", ["promote", "{ckpt}", "--cache-dir", "{base}/foreigncache"], None, "owned by uid 65534"),
     ("fingerprints", ["fingerprints", "--base", "{base}/nope", "--candidate", "{ckpt}"], None, "nope"),
     ("fingerprints", ["fingerprints", "--base", "{ckpt}"], None, "exactly one of"),
     ("preload", ["preload", "{base}/nope", "--stage", "raw"], None, "does not exist"),
