@@ -165,8 +165,16 @@ def _check_events(v: Verdict, exp: Expectation, cand: EngineResult) -> None:
     for e in events:
         if e.get("outcome") != "hit":
             continue
-        claimed = {k: e.get(k) for k in ("digest", "daemon_digest")}
+        # A header-keyed event's digest is not a content hash: it cannot be
+        # compared with the candidate's content, and proves nothing either
+        # way. What the daemon holds (its content was hashed as it loaded,
+        # and the gate knows it) decides below for every event.
+        content_claim = e.get("identity", "content") == "content"
+        claimed = {k: e.get(k) for k in ("digest", "daemon_digest")} if content_claim else {}
         wrong = {k: d for k, d in claimed.items() if d != exp.candidate_digest}
+        if not content_claim:
+            v.details.append(f"note: rank {e.get('rank', 0)} hit under a {e.get('identity')} key: "
+                             "judged by the content the daemon holds, not by the event's digest")
         if wrong:
             v._block(
                 "wrong_hit",

@@ -40,6 +40,10 @@ class LoadEvent:
     source: str = "none"
     socket_dir: str | None = None
     pid: int = field(default_factory=os.getpid)
+    # What ``digest`` is a hash of: "content" (SHA-256 of the shards, ours) or
+    # "header_only" (vLLM's header hash: the unsafe negative control). A
+    # judge compares only content digests with the candidate's content.
+    identity: str = "content"
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:

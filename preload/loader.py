@@ -301,6 +301,7 @@ def _make_loader_class() -> type:
                 from preload.daemon.rank import header_only_digest
 
                 log.warning("UNSAFE: unsafe_identity=header_only: keying the cache by vLLM's header-only hash")
+                event.identity = "header_only"
                 return header_only_digest(model_config.model)
             from preload.identity.manifest import StaleManifestError, resolve_digest
 

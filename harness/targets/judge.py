@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING
 from harness.mutations import GateCase
 from harness.results import CaseResult
 from harness.targets.base import Served
-from harness.verdict import PASS, Expectation, Verdict, first_difference, judge, max_logprob_diff
+from harness.verdict import (
+    PASS,
+    Expectation,
+    Verdict,
+    expected_outcome,
+    first_difference,
+    judge,
+    max_logprob_diff,
+)
 
 if TYPE_CHECKING:
     from harness.engine import EngineResult
@@ -50,11 +58,13 @@ def judge_output_only(reference: EngineResult, cached: EngineResult, served: Ser
 def judge_served(target: CacheTarget, case: GateCase, result: CaseResult, served: Served,
                  tolerance: float) -> Verdict:
     assert result.reference is not None and result.cached is not None
-    if not (target.records_events and served.events):
-        if target.records_events:
-            served.notes.append("the target records load events, but this load recorded none")
+    if not target.records_events:
         return judge_output_only(result.reference, result.cached, served, tolerance)
-    exp = Expectation(outcome=case.expect, candidate_digest=result.candidate_digest,
+    # A target that records events and recorded none served without saying
+    # so: judge() blocks that as silent_fallback, never judged on output alone.
+    # The required outcome follows from the digests, never from the case's name.
+    outcome = expected_outcome(result.candidate_digest, result.daemon_digest, case.expected_fields)
+    exp = Expectation(outcome=outcome, candidate_digest=result.candidate_digest,
                       daemon_digest=result.daemon_digest, ranks=case.settings.tensor_parallel_size,
                       expected_fields=case.expected_fields)
     v = judge(exp, result.reference, result.cached, tolerance)

@@ -36,7 +36,7 @@ from harness.results import CaseResult, GateReport
 from harness.targets.base import CacheTarget, PreparedCache
 from harness.targets.checkpoints import file_digest, make_candidate, stage_base, values_digest
 from harness.targets.judge import judge_served
-from harness.verdict import NOT_RUN
+from harness.verdict import NOT_RUN, expected_outcome
 from preload.errors import PreloadGateError
 
 
@@ -118,6 +118,9 @@ def run_target(target: CacheTarget, opts: Any, cases: list[GateCase], report: Ga
             it.result.candidate = str(cand)
             it.result.candidate_digest = file_digest(cand)
             it.result.daemon_digest = it.cache.source_digest or base_digest
+            # What a correct cache must do, from the digests (not the case's name).
+            it.result.expect = expected_outcome(it.result.candidate_digest, it.result.daemon_digest,
+                                                it.case.expected_fields)
             s = it.case.settings
             common: dict[str, Any] = {"dtype": s.dtype, "tensor_parallel_size": s.tensor_parallel_size,
                                       "data_parallel_size": s.data_parallel_size}

@@ -73,6 +73,13 @@ TABLE = [
      engine(events=[hit(HEADER, HEADER)]), BLOCK, ["wrong_hit"]),
     ("hit whose claimed digest is not the candidate's -> wrong_hit", Expectation("hit", BASE, BASE), REF,
      engine(events=[hit(digest=OTHER, daemon=OTHER)]), BLOCK, ["wrong_hit"]),
+    # A header-keyed hit (the unsafe control) on an identical copy served the
+    # right bytes: the daemon holds the candidate's content. Its neighbour,
+    # the same event while the daemon holds other content, is a wrong hit.
+    ("header-keyed hit, daemon holds the candidate's content -> pass", Expectation("hit", BASE, BASE), REF,
+     engine(events=[{**hit(HEADER, HEADER), "identity": "header_only"}]), PASS, []),
+    ("header-keyed hit, daemon holds other content -> wrong_hit", Expectation("miss", OTHER, BASE), REF,
+     engine(events=[{**hit(HEADER, HEADER), "identity": "header_only"}]), BLOCK, ["wrong_hit"]),
     ("hit where settings require a miss -> wrong_hit", Expectation("miss", BASE, BASE, expected_fields=("dtype",)),
      REF, engine(events=[hit()]), BLOCK, ["wrong_hit"]),
     ("served with no event -> silent_fallback", Expectation("miss", OTHER, BASE), REF_MUT,
