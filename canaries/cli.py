@@ -145,6 +145,10 @@ def _check(args: argparse.Namespace) -> int:
         n_tie = sum(r.reason == "near_tie" for r in report.results)
         print(f"{n_ok}/{len(report.results)} replicas match golden {golden.digest[:16]} "
               f"(vLLM {golden.vllm_version})" + (f", {n_tie} with near-ties only" if n_tie else ""), file=sys.stdout)
+    if not report.ok and golden.config_digest is None:
+        from canaries.fit import UnkeyedGoldenError
+
+        raise UnkeyedGoldenError(["config_digest"])
     if not report.ok and args.checkpoint is None:
         # Without the served folder the config and tokenizer were never compared.
         print("note: config.json and tokenizer were not compared with the golden's (no --checkpoint); "

@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from preload.errors import PreloadGateError
 from preload.identity.manifest import Manifest, build_manifest, write_manifest
 from preload.preflight import preflight_promote
 from preload.sockets import ensure_private_dir, socket_dir
@@ -75,6 +76,16 @@ def promote(
     """
     preflight_promote(checkpoint, socket_root, cache_dir)
     manifest = build_manifest(checkpoint, workers=workers, progress=progress)
+    # The socket directory before the manifest: a root that cannot be made
+    # (a parent that only looks writable: /proc, a read-only mount) leaves
+    # nothing half-promoted behind.
+    target = socket_dir(manifest.digest, socket_root)
+    try:
+        sdir = ensure_private_dir(target)
+    except OSError as exc:
+        raise PreloadGateError(
+            f"cannot create the socket directory {target}: {exc.strerror or exc}; "
+            "choose a writable --socket-root (or PRELOAD_GATE_SOCKET_ROOT)"
+        ) from exc
     path = write_manifest(manifest, cache_dir)
-    sdir = ensure_private_dir(socket_dir(manifest.digest, socket_root))
     return Promotion(manifest, path, sdir)

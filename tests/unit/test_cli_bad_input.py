@@ -86,6 +86,8 @@ BAD = [
     ("fixtures", ["fixtures", "tiny", "{ckpt}"], None, "exists"),
     ("fixtures", ["fixtures", "tiny", "{base}/t", "--shards", "0"], None, "shards"),
     ("fixtures", ["fixtures", "smollm2"], None, "required"),
+    # A parent that only looks writable (/proc): mkdir fails after the checks.
+    ("fixtures", ["fixtures", "tiny", "/proc/pg-no-such-dir"], None, "choose a writable OUT"),
     ("promote", ["promote", "{base}/nope"], None, "does not exist"),
     ("promote", ["promote", "{ckpt}", "--socket-root", "{base}/missing/deeper/root"], None, "does not exist"),
     ("promote", ["promote", "{ckpt}", "--socket-root", "{long}"], None, "AF_UNIX"),
@@ -133,3 +135,23 @@ def test_control_checker_rejects_a_success_and_a_two_line_error(world):
     two = subprocess.CompletedProcess([], 2, "", "preload-gate x: error: a\nTraceback: b\n")
     with pytest.raises(AssertionError):
         check_refusal(two, set(), set(), "")
+
+
+def test_promote_whose_socket_root_cannot_be_made_writes_no_manifest(tmp_path, capsys) -> None:
+    """A root under a parent that only looks writable (/proc): found after hashing,
+    so the socket directory is made before the manifest is written, and its
+    failure is one line with no manifest (control: a good root writes one)."""
+    from fixtures.tiny import write_tiny
+    from preload_gate.cli import main as cli_main
+
+    ckpt = write_tiny(tmp_path / "t")
+    cache = tmp_path / "cache"
+    assert cli_main(["promote", str(ckpt), "--socket-root", "/proc/pg-no-such-root", "--cache-dir", str(cache)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot create the socket directory" in err[0] and "Traceback" not in err[0]
+    assert not [p for p in cache.rglob("*") if p.is_file()]
+    # Control: the same promote with a writable root writes the manifest.
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    assert cli_main(["promote", str(ckpt), "--socket-root", str(root), "--cache-dir", str(cache)]) == 0
+    assert [p for p in cache.rglob("*.json") if p.is_file()]
