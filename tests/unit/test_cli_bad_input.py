@@ -61,6 +61,10 @@ def _run(world, argv: list[str], extra_env: dict[str, str] | None = None) -> tup
         (base / d).mkdir(mode=0o700, exist_ok=True)
     env = dict(os.environ, PRELOAD_GATE_CACHE=str(base / "cache"), PRELOAD_GATE_SOCKET_ROOT=str(base / "sock"),
                TMPDIR=str(base / "tmp"), XDG_CACHE_HOME=str(base / "cache"), PYTHONPATH=str(REPO))
+    # torch's own compile cache (made under TMPDIR by whichever row first
+    # imports vLLM) is not our output: keep it out of the watched tree, so the
+    # check does not depend on which row runs first.
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(base / "torch-cache")
     env.pop("PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS", None)
     env.pop("PRELOAD_GATE_EVENTS", None)
     env.update(extra_env or {})
