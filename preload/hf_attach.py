@@ -218,6 +218,16 @@ def find_rank(sdir: str | os.PathLike[str], device: torch.device, tp_size: int =
     return g
 
 
+def _bind_device(device: str | torch.device) -> torch.device:
+    """The device with its index made explicit; a CUDA device becomes current."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(dev)
+    return dev
+
+
 def _tp_rank(tp_size: int) -> int:
     if tp_size == 1:
         return 0
@@ -334,11 +344,7 @@ def attach_model(
 
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(dev)
+    dev = _bind_device(device)
     tp_rank = _tp_rank(tp_size)
     if tp_size > 1 and mesh is None:
         mesh = tp_mesh(dev, tp_size)
@@ -519,11 +525,7 @@ def load_rank(
     """
     from preload.events import LoadEvent, emit
 
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(dev)
+    dev = _bind_device(device)
     tp_rank = _tp_rank(tp_size)
     mesh = tp_mesh(dev, tp_size) if tp_size > 1 else None
     t0 = time.perf_counter()
