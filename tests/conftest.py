@@ -18,10 +18,34 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+# AF_UNIX socket paths hold at most 107 bytes (sun_path, Linux unix(7)), and a
+# daemon's socket is <root>/<16 hex>/rank<N>.sock. pytest's default base temp,
+# /tmp/pytest-of-<user>/pytest-<N>/popen-gw<K>/<test name, up to 30 chars>/,
+# grows with <N> (the run count on the machine) until a tmp_path socket root no
+# longer fits and promote refuses it up front (as it should). The suite runs
+# under a short base temp of its own instead, unless --basetemp is given.
+_SHORT_BASETEMP = "_preload_gate_short_basetemp"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    if config.option.basetemp is not None or hasattr(config, "workerinput"):
+        return  # given by the user, or an xdist worker (its controller's base temp / gwK)
+    parent = "/tmp" if os.access("/tmp", os.W_OK) else None
+    config.option.basetemp = tempfile.mkdtemp(prefix="pg-", dir=parent)
+    setattr(config, _SHORT_BASETEMP, config.option.basetemp)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    made = getattr(session.config, _SHORT_BASETEMP, None)
+    if made and exitstatus == 0:
+        shutil.rmtree(made, ignore_errors=True)  # kept on failure, for a look
 
 
 @pytest.fixture(scope="session")
