@@ -29,7 +29,8 @@ class TerminalProgress:
         if stage == "verdict":
             status = message.split(": ", 1)[1].split(" ", 1)[0] if ": " in message else ""
             style = _STYLE.get(status, "")
-        self.console.print(f"[{elapsed:6.0f}s] {stage:<12} {message}", style=style, markup=False)
+        self.console.print(f"[{elapsed:6.0f}s] {stage:<12} {message}", style=style, markup=False,
+                           soft_wrap=True)  # one line per event, even in a CI log narrower than the path
 
 
 def print_summary(report: dict[str, Any], stream: Any = None) -> None:
