@@ -9,18 +9,19 @@ appends one JSON line per load), or from the daemon's ``/metrics``
 
 from __future__ import annotations
 
-import json
 import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from canaries.errors import GoldenError
+from preload.events import read_events
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_RANK_UP = re.compile(r'^preload_gate_rank_up\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)\s*$')
-_DIGEST_LABEL = re.compile(r'digest="([0-9a-fA-F]{64})"')
+_RANK_UP = "preload_gate_rank_up"
 
 
 @dataclass(frozen=True)
@@ -47,18 +48,19 @@ def from_events_file(path: str | Path) -> Claim:
     """
     p = Path(path)
     try:
-        lines = [ln for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        p.stat()  # the operator named this file: absent is an error here, not "no events"
+        events = read_events(p)
     except OSError as exc:
         raise GoldenError(f"cannot read events file {p}: {exc.strerror or exc}") from exc
-    if not lines:
+    except UnicodeDecodeError as exc:
+        raise GoldenError(f"cannot read events file {p}: not UTF-8 ({exc.reason})") from exc
+    if not events:
         raise GoldenError(f"events file {p} holds no load event")
-    try:
-        event = json.loads(lines[-1])
-    except ValueError as exc:
-        raise GoldenError(f"events file {p}: last line is not JSON ({exc})") from exc
-    if not isinstance(event, dict):
-        raise GoldenError(f"events file {p}: last line is not a load event")
+    event = events[-1]
     outcome = event.get("outcome")
+    if outcome == "malformed":
+        raise GoldenError(f"events file {p}: last line is not a load event (not JSON, or not a JSON object): "
+                          f"{str(event.get('raw'))[:60]!r}")
     # ``source`` (daemon|disk|none) says where the weights came from; older
     # events without it are read by outcome: a hit is the daemon's.
     source = event.get("source") or {"hit": "daemon", "miss": "disk"}.get(str(outcome), "none")
@@ -74,21 +76,26 @@ def from_events_file(path: str | Path) -> Claim:
 
 
 def parse_metrics(text: str, source: str) -> Claim:
-    """The one digest every serving rank of a daemon reports in ``/metrics``."""
+    """The one digest every serving rank of a daemon reports in ``/metrics``.
+
+    ``text`` is Prometheus text exposition, read by prometheus_client's
+    parser; the claim is the ``digest`` label of every ``rank_up`` sample
+    whose value is 1. Raises :class:`GoldenError` when the text does not
+    parse (the parser's reason in the message), when no serving rank carries
+    a 64-hex digest, or when the ranks disagree.
+    """
     digests = set()
-    for line in text.splitlines():
-        m = _RANK_UP.match(line.strip())
-        if m is None:
-            continue
-        try:
-            up = float(m.group("value"))
-        except ValueError:
-            continue
-        d = _DIGEST_LABEL.search(m.group("labels"))
-        if up == 1 and d:
-            digests.add(d.group(1).lower())
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                d = sample.labels.get("digest", "").lower()
+                if sample.name == _RANK_UP and sample.value == 1 and _HEX64.match(d):
+                    digests.add(d)
+    except ValueError as exc:
+        raise GoldenError(f"{source}: not Prometheus text exposition ({str(exc) or 'a malformed line'}); "
+                          "point --metrics-url at a preload daemon's /metrics") from exc
     if not digests:
-        raise GoldenError(f"{source}: no serving rank reports a digest (preload_gate_rank_up == 1)")
+        raise GoldenError(f"{source}: no serving rank reports a digest ({_RANK_UP} == 1)")
     if len(digests) > 1:
         raise GoldenError(f"{source}: ranks report different digests: {', '.join(sorted(d[:16] for d in digests))}")
     return Claim(digests.pop(), source)

@@ -1,5 +1,6 @@
 """Verbs of the harness layer. Each verb is one ``_register_<verb>`` function
-listed in ``register``; add a verb by adding one function and one line."""
+listed in ``register``; add a verb by adding one function, one line here and
+its row in ``preload_gate.cli.VERBS``."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def _register_bench(sub: argparse._SubParsersAction) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     from harness.bench import (
+        UNLOADED,
         BenchError,
         BenchOptions,
         load_rows,
@@ -55,6 +57,8 @@ def _bench(args: argparse.Namespace) -> int:
                 print(f"{'':<20}   needs {row.needs}" + (f" (here: not run, {why})" if why else " (present)"))
             if row.heavy:
                 print(f"{'':<20}   heavy: {row.heavy}")
+        for module, why in UNLOADED.items():
+            print(f"{module:<20} rows not loaded: {why}")
         return 0
     params = {}
     for item in args.param:
@@ -126,6 +130,7 @@ def _gate_options(p: argparse.ArgumentParser) -> None:
 
 
 def _gate(args: argparse.Namespace) -> int:
+    from harness.engine import unwind_on_signals
     from harness.gate import GateOptions, run_gate
     from harness.report import write_reports
     from harness.report.terminal import TerminalProgress, print_summary
@@ -139,6 +144,7 @@ def _gate(args: argparse.Namespace) -> int:
                              "self-test (--mutations) runs each case in its catalogue's settings: drop the flag")
     settings = DeploymentSettings(**stated) if args.mutations is None else None
 
+    unwind_on_signals("gate")
     report = run_gate(GateOptions(
         candidate=args.candidate, base=args.base, target=args.target, mutations=args.mutations,
         report_dir=args.report, workdir=args.workdir, reference_cache=args.reference_cache,
@@ -173,7 +179,9 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     from harness.demo import run_demo
+    from harness.engine import unwind_on_signals
 
+    unwind_on_signals("demo")
     return run_demo(model=args.model, report_dir=args.report, mutations=args.mutations, jobs=args.jobs,
                     workdir=args.workdir, reference_cache=args.reference_cache, run_tp=args.run_tp,
                     engine_timeout_s=args.engine_timeout,

@@ -4,7 +4,9 @@ The gate drives the daemon through its CLI (``preload-gate preload``), as an
 operator would, so what is judged is the shipped entry point. The daemon
 runs in its own process group; stopping it signals the whole group, and a
 daemon that never says ready within the deadline is killed and its log tail
-becomes the error.
+becomes the error. It is started with ``--exit-with-parent``: if the gate
+dies without stopping it (SIGKILL, a crash), it stops by itself within a
+second and removes its socket directory.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from preload.daemon.parent import PARENT_PID_ENV
 from preload.errors import PreloadGateError
 
 READY_TIMEOUT_S = 240.0
@@ -41,13 +44,19 @@ class DaemonProcess:
     proc: subprocess.Popen[bytes] | None = None
     ready: dict[str, Any] = field(default_factory=dict)
     start_seconds: float = 0.0
+    # Off only for a test's control: a daemon that outlives a killed starter.
+    exit_with_parent: bool = True
 
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> DaemonProcess:
+        # --exit-with-parent: a gate killed by any signal, SIGKILL included,
+        # must not leave a resident daemon and its socket directory behind.
         cmd = [sys.executable, "-m", "preload_gate", "preload", self.checkpoint,
-               "--socket-root", self.socket_root, *self.args]
+               "--socket-root", self.socket_root, *(["--exit-with-parent"] if self.exit_with_parent else []),
+               *self.args]
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.update(self.env)
+        env[PARENT_PID_ENV] = str(os.getpid())  # whom --exit-with-parent watches, even if we die at once
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the daemon
         t0 = time.monotonic()

@@ -19,12 +19,15 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from preload import _atomic
+from preload.daemon.parent import PARENT_PID_ENV
+from preload.events import read_events
 
 # A handful of short prompts: greedy decoding over several contexts catches a
 # weight difference that one prompt might not reach.
@@ -131,20 +134,46 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
     return env
 
 
-def read_events(path: Path) -> list[dict[str, Any]]:
-    """Every JSON line of an events file; a malformed line is kept as an error record."""
-    if not path.exists():
-        return []
-    events: list[dict[str, Any]] = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            obj = {"outcome": "malformed", "raw": line[:200]}
-        events.append(obj if isinstance(obj, dict) else {"outcome": "malformed", "raw": line[:200]})
-    return events
+# Engines this process runs now, so that a gate told to stop (SIGTERM) can
+# stop them: each runs in its own session, out of reach of a signal to ours.
+_live: set[subprocess.Popen[bytes]] = set()
+_live_lock = threading.RLock()  # re-entrant: the signal handler may run on a thread holding it
+_stopping = threading.Event()
+
+
+def stop_all_engines() -> int:
+    """Stop every engine this process runs (whole process groups) and refuse
+    new ones: a stopping gate must not leave engines behind, nor start more
+    from its queue. Returns how many were running."""
+    with _live_lock:
+        _stopping.set()
+        procs = list(_live)
+    for proc in procs:
+        _kill_group(proc)
+    return len(procs)
+
+
+def unwind_on_signals(verb: str) -> None:
+    """Make SIGTERM (a cancelled CI job, ``systemctl stop``, ``kill``) and
+    SIGINT stop a long verb cleanly: its engines are stopped at once (they sit
+    in their own sessions, which neither signal reaches), then the exception
+    raised here unwinds every ``finally``, which stops the daemon and removes
+    temporary directories. Without this SIGTERM ends Python with no
+    ``finally`` at all, and Ctrl-C waits for the running engines to finish.
+    Exit status: 143 for SIGTERM, 130 for SIGINT. Call from the main thread."""
+    def handler(signum: int, frame: Any) -> None:
+        # One unwinding: a second signal must not cut the clean-up short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        name = signal.Signals(signum).name
+        print(f"preload-gate {verb}: {name}: stopping its engines and daemon", file=sys.stderr, flush=True)
+        stop_all_engines()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -207,8 +236,11 @@ def run_engine(
         out_path.unlink()
     env = engine_env(spec)
     env.setdefault("PRELOAD_GATE_EVENTS", str(events_path))
+    env[PARENT_PID_ENV] = str(os.getpid())  # the worker ends with us (harness.engine_worker)
     t0 = time.monotonic()
-    with open(log_path, "wb") as log:
+    with open(log_path, "wb") as log, _live_lock:
+        if _stopping.is_set():
+            return EngineResult(ok=False, error="not started: the gate is stopping (SIGTERM)")
         proc = subprocess.Popen(
             [sys.executable, "-m", worker, str(spec_path), str(out_path)],
             stdout=log,
@@ -217,16 +249,19 @@ def run_engine(
             env=env,
             start_new_session=True,
         )
-        timed_out = False
-        try:
-            rc: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            rc = None
-        finally:
-            _kill_group(proc)
-            if rc is None:
-                rc = proc.wait()
+        _live.add(proc)
+    timed_out = False
+    rc: int | None = None
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        _kill_group(proc)
+        if rc is None:
+            rc = proc.wait()
+        with _live_lock:
+            _live.discard(proc)
     wall = time.monotonic() - t0
     log_text = log_path.read_text(encoding="utf-8", errors="replace")
     result = _collect(out_path, rc, timed_out, timeout_s, log_text)

@@ -16,12 +16,36 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 T0 = time.monotonic()
+
+
+def _end_with_the_harness() -> None:
+    """A harness killed without clean-up (SIGKILL of the gate) must not leave
+    its engines running for minutes. When the parent is gone (the daemon's
+    own check, :mod:`preload.daemon.parent`), end this worker's whole
+    process group, vLLM's engine-core children included: the harness starts
+    the worker as the leader of its own session. Run by hand in someone
+    else's group, it ends only itself."""
+    from preload.daemon.parent import INTERVAL_S, ParentWatch
+
+    watch = ParentWatch.from_env()
+
+    def loop() -> None:
+        while not watch.gone():
+            time.sleep(INTERVAL_S)
+        print(f"engine worker: the harness (pid {watch.parent}) is gone; stopping", file=sys.stderr, flush=True)
+        if os.getpgid(0) == os.getpid():
+            os.killpg(0, signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
 
 
 def _top_logprobs(step: Any) -> dict[str, float]:
@@ -185,4 +209,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    _end_with_the_harness()
     main(sys.argv[1:])

@@ -61,6 +61,7 @@ from preload.deployment import DeploymentSettings, answer_identity
 from preload.errors import PreloadGateError
 from preload.identity.digest import checkpoint_digest, hash_shards
 from preload.identity.shards import shard_paths
+from preload.preflight import check_output_dir
 
 TARGETS = NAMES
 # header_only fingerprints come from the installed vLLM ("auto"); unit tests
@@ -250,6 +251,8 @@ def run_gate(opts: GateOptions) -> GateReport:
         opts = dataclasses.replace(opts, unsafe_identity=forced)
     candidate = Path(opts.candidate)
     weight_files(candidate)  # a missing or empty checkpoint is one clear line, before anything runs
+    if opts.report_dir:  # known now, not after the engines ran
+        check_output_dir(opts.report_dir, "--report")
     self_test = opts.mutations is not None
     base = Path(opts.base) if (opts.base and self_test) else candidate
     if opts.base:

@@ -9,9 +9,11 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from preload.sockets import socket_root_arg
+
     p = sub.add_parser("promote", help="hash a checkpoint, write its manifest, create its socket dir")
     p.add_argument("checkpoint")
-    p.add_argument("--socket-root", default=None, help="root of the digest-keyed socket dirs")
+    p.add_argument("--socket-root", default=None, type=socket_root_arg, help="root of the digest-keyed socket dirs")
     p.add_argument("--cache-dir", default=None, help="where manifests live (default ~/.cache/preload-gate)")
     p.add_argument("--workers", type=int, default=None, help="hashing threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print the promotion as JSON")

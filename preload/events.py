@@ -94,8 +94,29 @@ def emit(event: LoadEvent, events_file: str | None = None, loud: bool | None = N
 
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every load event in an events file, in the order written.
+
+    A missing file is no events (``[]``: the engine never loaded, or loaded
+    without an events file); blank lines are skipped. A line that is not a
+    JSON object (a torn write, a stray print into the file) is kept in its
+    place as ``{"outcome": "malformed", "raw": <its first 200 characters>}``,
+    so a judge counting one ``hit`` per rank sees it rather than crashing on
+    it or reading past it. Raises ``OSError`` when the file exists but cannot
+    be read, ``UnicodeDecodeError`` when it is not UTF-8.
+    """
+    events: list[dict[str, Any]] = []
     try:
-        with open(path, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+        f = open(path, encoding="utf-8")
     except FileNotFoundError:
-        return []
+        return events
+    with f:
+        for line in f:  # newlines only: JSON text may hold other line separators
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                obj = None
+            events.append(obj if isinstance(obj, dict) else {"outcome": "malformed", "raw": line[:200]})
+    return events

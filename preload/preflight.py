@@ -2,8 +2,10 @@
 
 A socket path over the AF_UNIX limit, a socket root under a missing
 directory, a rank lock another daemon holds, a busy ``--health-port``, a
-manifest cache that cannot be written or cannot be trusted: each is known in
-milliseconds, so none may cost a user a whole load and then a traceback.
+``--dtype`` vLLM does not take, a ``--tensor-parallel-size`` that does not
+divide the model's heads (read from ``config.json``), a manifest cache or
+report directory that cannot be written or cannot be trusted: each is known
+in milliseconds, so none may cost a user a whole load and then a traceback.
 Each check raises :class:`PreflightError`, one line naming the thing and the
 fix, and creates nothing (a lock is probed on an existing file only, a port
 is bound and released at once).
@@ -18,6 +20,7 @@ import fcntl
 import os
 import socket
 import stat
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -152,6 +155,103 @@ def check_cache_dir(cache_dir: str | os.PathLike[str] | None, checkpoint: str | 
                              f"or PRELOAD_GATE_CACHE to a writable directory")
 
 
+# The ``--dtype`` strings vLLM takes: "auto" and the keys of
+# ``vllm.config.model._STR_DTYPE_TO_TORCH_DTYPE`` (its ``ModelDType``), compared
+# lowercased as ``_get_and_verify_dtype`` does. Held equal to the installed
+# vLLM by tests/cpu/test_preflight_vllm_rules.py.
+VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+def check_dtype(dtype: str) -> None:
+    """``dtype`` is one vLLM's ``--dtype`` takes (rule: vLLM's
+    ``_get_and_verify_dtype``, which raises ``Unknown dtype`` for any other).
+
+    Raises :class:`PreflightError` naming the accepted values."""
+    if dtype.lower() not in VLLM_DTYPES:
+        raise PreflightError(f"--dtype {dtype!r} is not a dtype vLLM takes; use one of {', '.join(VLLM_DTYPES)}")
+
+
+def model_heads(checkpoint: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """``(num_attention_heads, num_key_value_heads)`` from the checkpoint's
+    ``config.json`` (its ``text_config`` for a multimodal config, as vLLM's
+    ``hf_text_config``; key/value heads default to the attention heads, as
+    vLLM's ``get_total_num_kv_heads`` does). None when there is no
+    ``config.json`` or it names no head count (nothing to check here; vLLM
+    decides later). Reads one small file, no weights.
+
+    Raises :class:`~preload.errors.CheckpointError` when ``config.json`` is not readable JSON."""
+    from preload.identity.manifest import read_config
+
+    cfg = read_config(checkpoint)
+    if not isinstance(cfg, dict):
+        return None
+    text = cfg.get("text_config")
+    if "num_attention_heads" not in cfg and isinstance(text, dict):
+        cfg = text
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+        return None
+    if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1:
+        kv = heads
+    return heads, kv
+
+
+def _tp_fits(tp: int, heads: int, kv: int) -> bool:
+    # vLLM's ModelConfig.verify_with_parallel_config: heads % tp == 0.
+    # vLLM's QKVParallelLinear: KV heads are split when tp < kv (kv % tp == 0)
+    # and replicated when tp >= kv (tp % kv == 0).
+    return heads % tp == 0 and (kv % tp == 0 if tp < kv else tp % kv == 0)
+
+
+def check_tensor_parallel(checkpoint: str | os.PathLike[str], tp_size: int) -> None:
+    """``tp_size`` splits the model's attention and key/value heads the way
+    vLLM can. Rules (vLLM's, not ours): ``ModelConfig.verify_with_parallel_config``
+    refuses ``num_attention_heads % tensor_parallel_size != 0``; the attention
+    layer (``QKVParallelLinear``) divides the key/value heads across ranks when
+    there are more of them than ranks, and replicates them evenly otherwise,
+    so ``num_key_value_heads % tp`` (or ``tp % num_key_value_heads``) must be 0.
+    Held equal to the installed vLLM by tests/cpu/test_preflight_vllm_rules.py.
+
+    Raises :class:`PreflightError` naming the head counts and the sizes that fit."""
+    if tp_size < 1:
+        return  # placement refuses it, with its own message
+    counts = model_heads(checkpoint)
+    if counts is None:
+        return
+    heads, kv = counts
+    if _tp_fits(tp_size, heads, kv):
+        return
+    fits = [t for t in range(1, heads + 1) if _tp_fits(t, heads, kv)]
+    what = (f"{heads} attention heads (config.json)" if heads % tp_size else
+            f"{kv} key/value heads (config.json; vLLM splits them when tp < {kv}, replicates them when tp >= {kv})")
+    raise PreflightError(f"--tensor-parallel-size {tp_size} does not fit the model's {what}; "
+                         f"choose a tensor-parallel size from {fits}")
+
+
+def check_output_dir(path: str | os.PathLike[str], flag: str) -> None:
+    """``path`` (a directory a verb will write, given as ``flag``) exists as a
+    writable directory or can be created, checked before anything runs.
+
+    It is probed by making and removing one temporary directory in ``path`` or
+    its nearest existing parent: ``os.access`` answers for permission bits
+    only, and says yes to root on /proc, a root-squashed NFS export or a full
+    quota. Nothing is left behind.
+
+    Raises :class:`PreflightError` naming the directory and the fix."""
+    out = Path(path)
+    probe = out
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        what = "is not a directory" if probe == out else f"cannot be created: its parent {probe} is not a directory"
+        raise PreflightError(f"{flag} {out} {what}; choose a writable {flag} directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".preload-gate-probe-", dir=probe))
+    except OSError as exc:
+        raise PreflightError(f"{flag} {out} cannot be written: making a directory in {probe} failed "
+                             f"({exc.strerror or exc}); choose a writable {flag} directory") from exc
+
+
 def _own_real_dir(path: Path) -> bool:
     st = os.lstat(path)
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
@@ -169,12 +269,14 @@ def check_checkpoint(checkpoint: str | os.PathLike[str]) -> None:
 
 def preflight_daemon(checkpoint: str | os.PathLike[str], socket_root: str | os.PathLike[str] | None,
                      ranks: Iterable[int], digest: str | None, health_host: str = "127.0.0.1",
-                     health_port: int | None = None) -> None:
-    """Everything ``preload`` can check before it reads a weight byte."""
+                     health_port: int | None = None, dtype: str = "auto", tp_size: int = 1) -> None:
+    """Everything ``preload`` (and its ``--dry-run``) can check before it reads a weight byte."""
     from preload.sockets import default_socket_root, socket_dir
 
     ranks = list(ranks)
     check_checkpoint(checkpoint)
+    check_dtype(dtype)
+    check_tensor_parallel(checkpoint, tp_size)
     root = Path(socket_root) if socket_root else default_socket_root()
     check_socket_root(root, ranks)
     if digest is not None:

@@ -13,6 +13,7 @@ SO_PEERCRED.
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import stat
@@ -41,11 +42,26 @@ _TMP = "/tmp"
 
 
 def default_socket_root() -> Path:
-    """``$PRELOAD_GATE_SOCKET_ROOT``, else ``/tmp/preload-gate-<uid>``: the same in every session of a user."""
+    """``$PRELOAD_GATE_SOCKET_ROOT`` (made absolute), else ``/tmp/preload-gate-<uid>``:
+    the same in every session of a user."""
     env = os.environ.get(SOCKET_ROOT_ENV)
     if env:
-        return Path(env)
+        return Path(os.path.abspath(env))
     return Path(_TMP) / f"preload-gate-{os.getuid()}"
+
+
+def socket_root_arg(value: str) -> str:
+    """``--socket-root DIR`` as the CLI takes it: made absolute against the
+    current directory, once, at the boundary. Every path derived from it is
+    printed (ready lines, ``promote``, ``status``, the pipeline's serve
+    command) and used by engines started from other directories, where a
+    relative ``rel/dir`` names another place.
+
+    Raises ``argparse.ArgumentTypeError`` (one usage line, exit 2) for "".
+    """
+    if not value:
+        raise argparse.ArgumentTypeError("--socket-root needs a directory, got an empty string")
+    return os.path.abspath(value)
 
 
 def legacy_socket_roots() -> list[Path]:

@@ -1,29 +1,58 @@
-"""``preload-gate``: one parser, verbs contributed by each layer.
+"""``preload-gate``: one parser; ``VERBS`` says which module adds each verb.
 
 This module sits above every package (fixtures <- preload <- harness,
-canaries), so it is the one place allowed to import them all. Each layer
-exposes ``register(subparsers)``; a verb's handler returns the exit code.
+canaries), so it is the one place allowed to import them all. Each module in
+the table exposes ``register(subparsers)``, which adds its verbs; a verb's
+handler returns the exit code. The table is authoritative: a module that
+adds a verb the table does not name, or a verb nobody adds, is an error, and
+so is a module that fails to import (see ``preload.extras``): only a verb
+marked with an optional extra is shown as unavailable when that extra is
+missing, and ``--help`` says why.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from typing import NoReturn
 
 from preload.errors import PreloadGateError
+from preload.extras import ExtraMissingError, ModuleLoadError, import_for
 
-# Modules that add verbs, in the order --help lists them.
-_VERB_MODULES = (
-    "fixtures.cli",
-    "preload.cli",
-    "preload.daemon.cli",
-    "harness.cli",
-    "canaries.cli",
-)
+
+@dataclass(frozen=True)
+class Verb:
+    """Where a verb lives: ``module``'s ``register(subparsers)`` adds it;
+    ``extra`` is the optional extra that module cannot import without ("": none)."""
+
+    module: str
+    extra: str = ""
+
+
+# Every verb and the module that adds it (--help lists them module by module,
+# in this order). No verb needs an extra to be *imported* today (handlers
+# import vLLM, transformers, ... when they run); tests/unit/test_cli_verbs.py
+# imports every module here with the extras' packages blocked, so a new
+# top-level import of one fails that test until its verb is marked.
+VERBS: dict[str, Verb] = {
+    "fixtures": Verb("fixtures.cli"),
+    "promote": Verb("preload.cli"),
+    "fingerprints": Verb("preload.cli"),
+    "preload": Verb("preload.daemon.cli"),
+    "status": Verb("preload.daemon.cli"),
+    "bench": Verb("harness.cli"),
+    "gate": Verb("harness.cli"),
+    "demo": Verb("harness.cli"),
+    "canary": Verb("canaries.cli"),
+}
+
+
+class VerbTableError(PreloadGateError):
+    """A verb cannot be offered: its module failed to import, or the module
+    and ``VERBS`` disagree about which verbs it adds."""
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -34,7 +63,41 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
 
 
+def _modules(table: dict[str, Verb]) -> dict[str, list[str]]:
+    """Module -> the verbs the table gives it, in table order."""
+    out: dict[str, list[str]] = {}
+    for name, verb in table.items():
+        out.setdefault(verb.module, []).append(name)
+    return out
+
+
+def register_module(sub: argparse._SubParsersAction, module: str, extra: str = "") -> list[str]:
+    """Import ``module``, call its ``register(sub)`` and return the verbs it
+    added. Raises ``ExtraMissingError`` / ``ModuleLoadError`` as
+    ``preload.extras.import_for`` does."""
+    mod = import_for(module, extra)
+    before = set(sub.choices)
+    mod.register(sub)
+    return [v for v in sub.choices if v not in before]
+
+
+def _add_unavailable(sub: argparse._SubParsersAction, name: str, why: str) -> None:
+    """A verb whose extra is missing: listed in --help with the reason; run, it
+    says the same in one line (exit 2), whatever arguments it was given."""
+    # No option prefix: every argument, "--x" too, lands in ``args`` unparsed.
+    p = sub.add_parser(name, help=f"(unavailable: {why})", add_help=False, prefix_chars="\0")
+    p.add_argument("args", nargs="*")
+
+    def refuse(_args: argparse.Namespace) -> int:
+        raise VerbTableError(f"this verb is unavailable: {why}")
+
+    p.set_defaults(func=refuse)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The whole CLI. Raises ``VerbTableError`` when a verb's module fails to
+    import (and is not merely missing its declared extra) or adds verbs other
+    than those ``VERBS`` gives it."""
     parser = _OneLineParser(
         prog="preload-gate",
         description="Restart vLLM engines from preloaded weights, keyed by content, and prove it.",
@@ -42,19 +105,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
-    for name in _VERB_MODULES:
+    for module, names in _modules(VERBS).items():
+        extras = {VERBS[n].extra for n in names}
+        if len(extras) != 1:
+            raise VerbTableError(f"VERBS marks the verbs of {module} with different extras {sorted(extras)}; "
+                                 "one module imports with one set of packages")
         try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:
-                continue
-            raise
-        module.register(sub)
+            added = register_module(sub, module, extras.pop())
+        except ExtraMissingError as exc:
+            for n in names:
+                _add_unavailable(sub, n, str(exc))
+            continue
+        except ModuleLoadError as exc:
+            raise VerbTableError(f"verb {', '.join(names)} cannot load: {exc}") from exc
+        if set(added) != set(names):
+            raise VerbTableError(
+                f"{module} adds verbs {added} but VERBS gives it {names}; "
+                "make preload_gate/cli.py's VERBS table name each verb its module adds"
+            )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except VerbTableError as exc:
+        print(f"preload-gate: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -72,6 +72,7 @@ def main() -> int:
 
     from harness.bench.gpu import synthetic_specs
     from preload import checksum as ck
+    from preload.checksum import planner
     from preload.transports.base import Layout, view
 
     layout = Layout.plan(synthetic_specs(_size(args.size), args.tensors))
@@ -90,16 +91,16 @@ def main() -> int:
         key = f"tile={tile},iters={iters},warps={warps}"
         try:
             t0 = time.perf_counter()
-            lanes = ck._lanes_triton(base, layout, iters=iters, warps=warps, tile=tile)
+            lanes = planner.lanes_triton(base, layout, iters=iters, warps=warps, tile=tile)
             _sync()
             compile_s = time.perf_counter() - t0
             assert lanes is not None
-            same = dict(zip((e.name for e in layout.entries), ck._hex_rows(lanes), strict=True)) == ref
+            same = dict(zip((e.name for e in layout.entries), planner.hex_rows(lanes), strict=True)) == ref
             if not same:
                 results[key] = {"same_as_reference": False}
                 print(key, "DIFFERS from the torch reference", flush=True)
                 continue
-            t = _time(lambda i=iters, w=warps, b=tile: ck._lanes_triton(base, layout, iters=i, warps=w, tile=b),
+            t = _time(lambda i=iters, w=warps, b=tile: planner.lanes_triton(base, layout, iters=i, warps=w, tile=b),
                       args.reps)
             tbps = nbytes / statistics.median(t) / 1e12
             results[key] = {"same_as_reference": True, "kernel_tbps": tbps, "s": t, "compile_s": compile_s}

@@ -35,6 +35,11 @@ _SHORT_BASETEMP = "_preload_gate_short_basetemp"
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
+    from tier_guard import vllm_presence_problem
+
+    problem = vllm_presence_problem()
+    if problem:
+        raise pytest.UsageError(problem)
     if config.option.basetemp is not None or hasattr(config, "workerinput"):
         return  # given by the user, or an xdist worker (its controller's base temp / gwK)
     parent = "/tmp" if os.access("/tmp", os.W_OK) else None

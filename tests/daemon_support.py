@@ -39,6 +39,7 @@ class Daemon:
     output: str = ""
     # Extra environment (a session's variables); root None: the default socket root.
     env: dict[str, str] = field(default_factory=dict)
+    cwd: Path = REPO  # where the command runs: a relative --socket-root is relative to it
 
     def start(self, timeout: float = 120, expect_ready: bool = True) -> Daemon:
         # stderr to a file: a pipe nobody drains would block a chatty daemon.
@@ -46,7 +47,7 @@ class Daemon:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "preload_gate.cli", "preload", str(self.checkpoint),
              *(["--socket-root", str(self.root)] if self.root is not None else []), *self.args],
-            stdout=subprocess.PIPE, stderr=self._err, env={**env_for(self.cache), **self.env}, cwd=REPO,
+            stdout=subprocess.PIPE, stderr=self._err, env={**env_for(self.cache), **self.env}, cwd=self.cwd,
         )
         end = time.monotonic() + timeout
         assert self.proc.stdout is not None
@@ -108,6 +109,30 @@ class Daemon:
             except ProcessLookupError:
                 return
             time.sleep(0.05)
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or a zombie waiting for its reaper (an orphan's
+    reaper may be slow, or absent as PID 1 in a container)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].startswith("Z")
+    except (OSError, IndexError):
+        return True
+
+
+def wait_for(cond, bound: float) -> bool:
+    """Poll ``cond`` until true or ``bound`` seconds pass (a bound, not a timing claim)."""
+    end = time.monotonic() + bound
+    while not cond():
+        if time.monotonic() > end:
+            return bool(cond())
+        time.sleep(0.1)
+    return True
 
 
 def copy_checkpoint(src: Path, dst: Path) -> Path:

@@ -14,6 +14,9 @@ other test areas define, and so a test imports exactly what it uses.
 - ``run_as``: run a tiny client as another uid, with CAP_DAC_OVERRIDE kept
   so the 0700 directory and 0600 socket do not stop it: whatever rejects it
   is then the daemon's SO_PEERCRED check, and nothing else.
+- ``skip_privileged``: how those two skip where root powers are missing,
+  and fail instead under ``PRELOAD_GATE_STRICT_SKIPS=1`` (set by CI, which
+  runs as root), so they never go unrun quietly where they should run.
 """
 
 from __future__ import annotations
@@ -35,10 +38,26 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
+
+import pytest
 
 PYTHON = sys.executable
 REPO = Path(__file__).resolve().parents[1]
 NOBODY = 65534
+
+
+# Set to 1 where the privileged tests must run (CI: root on a fresh machine).
+STRICT_SKIPS = "PRELOAD_GATE_STRICT_SKIPS"
+
+
+def skip_privileged(reason: str) -> NoReturn:
+    """Skip a test that needs a root power this machine lacks (another uid,
+    chown, a tmpfs mount), or, with ``PRELOAD_GATE_STRICT_SKIPS=1``, fail it
+    naming the reason: there a skip would hide an unrun security or ENOSPC test."""
+    if os.environ.get(STRICT_SKIPS) == "1":
+        pytest.fail(f"{reason}; {STRICT_SKIPS}=1 says this test must run here", pytrace=False)
+    pytest.skip(reason)
 
 
 # --------------------------------------------------------------- full disks

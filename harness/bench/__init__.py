@@ -4,8 +4,11 @@ Performance claims are ratios, never timed assertions in tests: a row runs
 the anchor (what a user would otherwise do: vLLM's header hash, sequential
 ``sha256sum``, a disk load) and ours on the same inputs in the same process
 and reports both figures and their ratio. Rows register themselves with
-``@bench_row``; ``ROW_MODULES`` lists the modules that hold rows (a module
-that is not there yet is skipped; one that fails to import is an error).
+``@bench_row``; ``ROW_MODULES`` lists the modules that hold rows and the
+optional extra each cannot import without. The rule is the CLI's
+(``preload.extras``): a module that fails to import is an error, except a
+module marked with an extra whose extra is missing, whose rows then report
+"not run" with the extra to install (never silently gone).
 
 A row declares what it needs (``needs="cuda"``) and why it is heavy
 (``heavy="two vLLM engine starts"``): with no ``--only`` every row runs
@@ -18,7 +21,6 @@ why" instead of failing, so one command works on a laptop and on a GPU box.
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -27,16 +29,19 @@ from pathlib import Path
 from typing import Any
 
 from preload.errors import PreloadGateError
+from preload.extras import ExtraMissingError, ModuleLoadError, import_for
 
-# Modules that define rows, in the order the table lists them.
-ROW_MODULES = (
-    "harness.bench.identity",
-    "harness.bench.daemon",
-    "harness.bench.gpu",
-    "harness.bench.gate",
-    "harness.bench.load",
-    "harness.bench.preflight",
-)
+# Modules that define rows, in the order the table lists them, and the
+# optional extra each needs to be imported ("": none; no row module needs one
+# today: rows import vLLM or triton when they run).
+ROW_MODULES: dict[str, str] = {
+    "harness.bench.identity": "",
+    "harness.bench.daemon": "",
+    "harness.bench.gpu": "",
+    "harness.bench.gate": "",
+    "harness.bench.load": "",
+    "harness.bench.preflight": "",
+}
 
 
 class BenchError(PreloadGateError):
@@ -119,6 +124,8 @@ class BenchRow:
 
 
 ROWS: dict[str, BenchRow] = {}
+# Row modules not loaded because their extra is missing -> why (load_rows).
+UNLOADED: dict[str, str] = {}
 
 
 _NEEDS = ("", "cuda")
@@ -161,12 +168,19 @@ def not_run(row: str, title: str, why: str) -> BenchResult:
 
 
 def load_rows() -> dict[str, BenchRow]:
-    for module in ROW_MODULES:
+    """Import every row module (registering its rows) and return the rows.
+
+    A module marked with an extra that is missing goes to ``UNLOADED`` with
+    the reason; any other import failure raises ``BenchError`` naming the
+    module and the import error.
+    """
+    for module, extra in ROW_MODULES.items():
         try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
+            import_for(module, extra)
+        except ExtraMissingError as exc:
+            UNLOADED[module] = str(exc)
+        except ModuleLoadError as exc:
+            raise BenchError(f"benchmark rows cannot load: {exc}") from exc
     return ROWS
 
 
@@ -175,13 +189,16 @@ def run_rows(
 ) -> list[BenchResult]:
     """Run ``only`` (default: every row). A row whose ``needs`` this machine
     lacks is reported as not run, named or not; ``skip_heavy`` reports the
-    heavy rows as not run too (only when no row is named)."""
+    heavy rows as not run too (only when no row is named); so is each row
+    module whose extra is missing (``UNLOADED``), with no row named."""
     rows = load_rows()
     names = list(only) if only else list(rows)
     unknown = [n for n in names if n not in rows]
     if unknown:
-        raise BenchError(f"unknown benchmark rows {unknown}; known: {', '.join(rows)}")
-    results: list[BenchResult] = []
+        unloaded = "".join(f"; rows of {m} not loaded: {why}" for m, why in UNLOADED.items())
+        raise BenchError(f"unknown benchmark rows {unknown}; known: {', '.join(rows)}{unloaded}")
+    # A module whose extra is missing reports, in place of its rows, that it did not run.
+    results: list[BenchResult] = [] if only else [not_run(m, f"rows of {m}", why) for m, why in UNLOADED.items()]
     for n in names:
         row = rows[n]
         why = missing(row.needs)

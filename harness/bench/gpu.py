@@ -255,6 +255,7 @@ def gpu_checksum(options: BenchOptions) -> list[BenchResult]:
     import torch
 
     from preload import checksum as ck
+    from preload.checksum import planner
     from preload.transports.base import Layout
     from preload.transports.cuda import ARENA, CudaTransport
 
@@ -276,7 +277,7 @@ def gpu_checksum(options: BenchOptions) -> list[BenchResult]:
     # An engine's verify gets its layout from JSON: a new object, so no cached plan.
     fresh = iter([Layout(tuple(layout.entries), layout.total_bytes) for _ in range(reps)])
     cold = _cuda_time(lambda: ck.checksum_tensors(views, next(fresh), backend="triton"), reps)
-    kernel = _cuda_time(lambda: ck._lanes_triton(base, layout), reps)
+    kernel = _cuda_time(lambda: planner.lanes_triton(base, layout), reps)
     # Naive torch: one unweighted reduction over the same bytes (it cannot see swaps);
     # the ceiling torch's own kernels give a checksum pass.
     words = base.view(torch.int64)

@@ -12,6 +12,15 @@ included); the counts are observed, not declared.
 Reads are counted per call (one ``read``/``readinto``/``pread`` is one
 round trip), which is how a client without read-ahead pays.
 
+Concurrent calls overlap, as they do on a remote server: the shim's lock
+covers its counters, never the latency, which is slept outside it (a unit
+test pins this, with a lock-held control). What it cannot model exactly is
+the GIL: the real call runs, then the sleep, so a charged call releases
+the GIL twice where a kernel client blocking in the call releases it once.
+At 1,000 concurrent stats that added about 15-30 ms of wall on a loaded
+2-core machine (measured against the same stats with their results taken
+before the clock); the error is against the code under test, never for it.
+
 >>> with RemoteFS(["/models/m"], latency_s=0.05) as fs:  # doctest: +SKIP
 ...     header_only("/models/m")
 >>> fs.counts.opens  # doctest: +SKIP

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 from fixtures.binformat import BIN_NAME, bin_path, bin_transform, is_bin, to_bin
@@ -73,17 +74,72 @@ def stage_base(base: str | os.PathLike[str], fmt: str, dest: Path) -> Path:
     return out
 
 
+# vLLM's npcache dump directory and the file whose presence makes it read-only.
+_NP_DIR = "np"
+_NP_DONE = "weight_names.json"
+
+
+def derive_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
+    """A new directory ``dst`` holding ``src``'s files, as ``cp -a`` would give them.
+
+    Every file is a real copy (its own inode, metadata kept), except a
+    *finished* npcache dump (``np/`` holding ``np/weight_names.json``), whose
+    files are hard-linked. Why that is safe:
+
+    - no mutation recipe writes there: the recipes of
+      :mod:`fixtures.mutations` ``pwrite`` into the safetensors shards, and
+      :func:`fixtures.binformat.bin_transform` rewrites ``pytorch_model.bin``
+      in place and adds (then removes) ``model.safetensors``; those are
+      copies here, so an in-place recipe never reaches the source's inode;
+    - no engine writes there: vLLM 0.32 ``model_loader/weight_utils.py``,
+      ``np_cache_weights_iterator``, dumps into ``np/`` only
+      ``if not os.path.exists(weight_names_file)`` and otherwise only opens
+      the files ``"rb"``. Without ``weight_names.json`` an engine would
+      write the dump, so an unfinished ``np/`` is copied, never linked.
+
+    A link, should anything still write through it, would show in every
+    candidate's dump digest (:func:`harness.targets.npcache.dump_digest`,
+    taken per candidate before its engine starts) as a dump the gate did
+    not make. Raises :class:`fixtures.mutations.MutationError` when ``dst``
+    exists; an ``OSError`` from the file system otherwise (a link across
+    file systems falls back to a copy).
+    """
+    src_p, dst_p = Path(src), Path(dst)
+    if dst_p.exists():
+        from fixtures.mutations import MutationError
+
+        raise MutationError(f"{dst_p} already exists; a candidate goes into a new directory")
+    link_np = (src_p / _NP_DIR / _NP_DONE).is_file()
+
+    def copy(s: str, d: str) -> object:
+        if link_np and Path(s).parent == src_p / _NP_DIR:
+            try:
+                os.link(s, d)
+                return d
+            except OSError:
+                pass
+        return shutil.copy2(s, d)
+
+    shutil.copytree(src_p, dst_p, symlinks=False, copy_function=copy)
+    return dst_p
+
+
 def make_candidate(case: GateCase, staged_base: Path, workdir: Path, fmt: str) -> Path:
     """The case's candidate, derived from the staged base in the target's format.
 
-    Everything in the base directory travels with a copy (as ``cp -a`` does),
-    derived caches included; an in-place row rewrites a private copy.
+    Everything in the base directory travels with the candidate (as ``cp -a``
+    does), derived caches included; an in-place row rewrites a private copy
+    (where :meth:`fixtures.mutations.Mutation.stage` puts it), never the
+    staged base: see :func:`derive_copy` for which files are copies and
+    which are links. One copy per candidate.
     """
     if case.recipe is None:
         return staged_base
     row = case.recipe
-    staged = row.stage(staged_base, workdir / "stage")
-    target = staged if row.in_place else copy_checkpoint(staged, workdir / "cand" / row.name)
+    if row.in_place:
+        target = derive_copy(staged_base, workdir / "stage" / f"{row.name}.base")
+    else:
+        target = derive_copy(staged_base, workdir / "cand" / row.name)
     transform = bin_transform(row.transform) if fmt == "bin" else row.transform
     transform(target)
     return target

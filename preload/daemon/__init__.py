@@ -6,5 +6,7 @@
 - :mod:`lock`, :mod:`server`: one flock and one socket server per rank.
 - :mod:`rank`: one rank's process entry point; :mod:`launcher` starts them.
 - :mod:`health`: ``/health`` and ``/metrics`` over HTTP.
+- :mod:`parent`: stop with the process that started us (ranks; ``--exit-with-parent``).
+- :mod:`registry`: the user's private list of live socket roots, for ``status``.
 - :mod:`cli`: the ``preload`` and ``status`` verbs.
 """

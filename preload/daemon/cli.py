@@ -12,6 +12,8 @@ from preload.errors import PreloadGateError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from preload.sockets import socket_root_arg
+
     p = sub.add_parser(
         "preload",
         help="hold a checkpoint's weights in one daemon per local rank",
@@ -33,7 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--kv-cache-dtype", default="auto")
     eng.add_argument("--enable-expert-parallel", action="store_true")
     eng.add_argument("--master-port", type=int, default=None, help="gloo/nccl rendezvous port of the daemon group")
-    p.add_argument("--socket-root", default=None)
+    p.add_argument("--socket-root", default=None, type=socket_root_arg,
+                   help="root of the digest-keyed socket dirs (default $PRELOAD_GATE_SOCKET_ROOT, else "
+                   "/tmp/preload-gate-<uid>); made absolute")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop (sockets removed) when the process that started this one exits, however it "
+                   "exits: for supervisors such as the gate; without it the daemon outlives its starter")
     p.add_argument("--stage", choices=("raw", "loaded", "processed"), default=None,
                    help="raw: checkpoint tensors (no vLLM); loaded: vLLM params before processing "
                    "(CPU default); processed: after processing (CUDA)")
@@ -47,12 +54,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--unsafe-identity", choices=("header_only",), default=None,
                    help="UNSAFE negative control for the gate: key by vLLM's header-only hash and skip "
                    "the byte proof")
-    p.add_argument("--dry-run", action="store_true", help="print the placement plan; load nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run every check that needs no weights, print the placement plan; load nothing")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     p.set_defaults(func=_preload)
 
-    s = sub.add_parser("status", help="list running preload daemons, their digests and counters")
-    s.add_argument("--socket-root", default=None)
+    s = sub.add_parser(
+        "status", help="list running preload daemons, their digests and counters",
+        description="With no --socket-root: every daemon of this user, under the default socket root and "
+        "under every root a live daemon registered in <cache dir>/daemons (the cache dir is "
+        "$PRELOAD_GATE_CACHE, else ~/.cache/preload-gate, as for manifests).")
+    s.add_argument("--socket-root", default=None, type=socket_root_arg, help="only this socket root")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_status)
 
@@ -74,6 +86,7 @@ def _options(args: argparse.Namespace) -> Any:
         stage=stage, transport=args.transport, identity=args.identity, socket_root=args.socket_root,
         expect_digest=args.expect_digest, unsafe_identity=args.unsafe_identity, engine=engine,
         health_port=args.health_port, health_host=args.health_host, master_port=args.master_port,
+        exit_with_parent=args.exit_with_parent,
     )
 
 
@@ -84,6 +97,7 @@ def _preload(args: argparse.Namespace) -> int:
         raise PreloadGateError(f"checkpoint directory {args.checkpoint} does not exist")
     opts = _options(args)
     if args.dry_run:
+        launcher.preflight(opts)  # a dry run refuses what the real start would refuse
         plan = launcher.plan(opts)
         if args.json:
             print(json.dumps(plan))
@@ -98,7 +112,7 @@ def _preload(args: argparse.Namespace) -> int:
 
 
 def scan(root: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
-    """Every answering rank under the socket root (dirs ``<digest[:16]>``)."""
+    """Every rank socket under the socket root (dirs ``<digest[:16]>``), answering or not."""
     from preload.daemon.health import rank_stats
     from preload.sockets import default_socket_root
 
@@ -111,7 +125,7 @@ def scan(root: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
             continue
         for sock in sorted(d.glob("rank*.sock")):
             s = rank_stats(sock)
-            row = {"socket": str(sock), "serving": s is not None, **(s or {})}
+            row = {"socket": str(sock), "socket_root": str(base), "serving": s is not None, **(s or {})}
             if s is None:
                 from preload.daemon.lock import lock_holder
 
@@ -121,24 +135,46 @@ def scan(root: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
     return found
 
 
+def _roots(args: argparse.Namespace) -> tuple[list[Path], list[dict[str, str]]]:
+    """The roots to scan: the one asked for; else the default one and every
+    root a live daemon registered (preload.daemon.registry), with refusals."""
+    from preload.daemon.registry import live_roots
+    from preload.sockets import default_socket_root
+
+    if args.socket_root:
+        return [Path(args.socket_root)], []
+    registered, refused = live_roots()
+    return list(dict.fromkeys([default_socket_root(), *registered])), refused
+
+
 def _status(args: argparse.Namespace) -> int:
+    from preload.daemon.registry import registry_dir
     from preload.sockets import default_socket_root, legacy_socket_roots
 
-    ranks = scan(args.socket_root)
+    roots, refused = _roots(args)
+    ranks = [r for root in roots for r in scan(root)]
     # Daemons of older releases (or another session's $TMPDIR) live elsewhere: name them.
     elsewhere = [] if args.socket_root else [
-        r for root in legacy_socket_roots() for r in scan(root) if r["serving"]]
+        r for root in legacy_socket_roots() if root not in roots for r in scan(root) if r["serving"]]
     if args.json:
-        print(json.dumps({"socket_root": str(args.socket_root or default_socket_root()), "ranks": ranks,
-                          "elsewhere": elsewhere}, indent=2))
+        print(json.dumps({"socket_root": str(args.socket_root or default_socket_root()),
+                          "socket_roots": [str(r) for r in roots], "registry": str(registry_dir()),
+                          "ranks": ranks, "elsewhere": elsewhere, "refused": refused}, indent=2))
         return 0
+    for bad in refused:
+        print(f"note: not following {bad['path']}: {bad['error']}")
     for r in elsewhere:
         print(f"note: a daemon serves {r['digest'][:16]} under {Path(r['socket']).parent.parent}, not the "
               f"socket root {default_socket_root()}; engines will not find it: restart it, or set "
               "PRELOAD_GATE_SOCKET_ROOT to that directory everywhere")
     if not ranks:
-        print(f"no preload daemons found under {args.socket_root or default_socket_root()}")
+        where = (args.socket_root if args.socket_root else
+                 f"{default_socket_root()} or any socket root registered in {registry_dir()} (a daemon "
+                 "started with another PRELOAD_GATE_CACHE registers in its own; name its root with "
+                 "--socket-root DIR)")
+        print(f"no preload daemons found under {where}")
         return 0
+    default = default_socket_root()
     for r in ranks:
         if not r["serving"]:
             holder = r.get("lock_holder")
@@ -149,7 +185,9 @@ def _status(args: argparse.Namespace) -> int:
                 print(f"{r['socket']}: not answering and its lock is free (stale socket)")
             continue
         misses = sum(r["misses"].values())
+        # Engines find a daemon outside the default root only when told where it is.
+        where = "" if Path(r["socket_root"]) == default else f"  socket_root={r['socket_root']}"
         print(f"{r['digest'][:16]} rank {r['rank']} pid {r['pid']} {r['stage']}/{r['transport']} "
               f"{r['resident_bytes']} bytes, {r['attached']} attached, {r['hits']} hits, {misses} misses  "
-              f"{r['checkpoint']}")
+              f"{r['checkpoint']}{where}")
     return 0

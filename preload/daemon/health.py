@@ -2,22 +2,37 @@
 
 Each request asks every rank's socket for ``stats`` (the same path an
 engine uses), so 200 means every rank answers on its socket now, not that a
-process merely exists. Metrics are Prometheus text format, written by hand
-(a few lines; no dependency).
+process merely exists. prometheus_client owns the exposition format: a
+:class:`RankCollector` in a registry private to the server (never the
+process-wide default one) turns the ranks' answers into metric families at
+scrape time, and ``generate_latest`` writes them.
+
+The names and labels are what operators' dashboards read; they stay as they
+are even where Prometheus' naming advice would differ (``rank_up`` samples of
+a rank that does not answer carry only ``socket``: there is no rank or digest
+to report).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
 from preload.client import DaemonClient
 from preload.errors import PreloadGateError
 
+PREFIX = "preload_gate_"
+
 
 def rank_stats(socket_path: str | Path) -> dict[str, Any] | None:
+    """A rank's ``stats`` answer, or None when its socket does not answer."""
     p = Path(socket_path)
     rank = int(p.stem.removeprefix("rank"))
     try:
@@ -32,61 +47,75 @@ def rank_stats(socket_path: str | Path) -> dict[str, Any] | None:
         c.close()
 
 
-def _label(v: Any) -> str:
-    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+def metric_families(stats: Sequence[dict[str, Any] | None], sockets: Sequence[str]) -> list[Metric]:
+    """The daemon's metric families from each rank's ``stats`` (None: the
+    rank did not answer), in the order of ``sockets``.
 
-
-def render_metrics(stats: list[dict[str, Any] | None], sockets: list[str]) -> str:
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_: str, rows: list[tuple[dict[str, Any], float]]) -> None:
-        lines.append(f"# HELP preload_gate_{name} {help_}")
-        lines.append(f"# TYPE preload_gate_{name} {kind}")
-        for labels, value in rows:
-            lab = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
-            lines.append(f"preload_gate_{name}{{{lab}}} {value}")
-
-    Rows = list[tuple[dict[str, Any], float]]
-    up: Rows = []
-    hits: Rows = []
-    misses: Rows = []
-    attached: Rows = []
-    resident: Rows = []
-    load: Rows = []
+    ``rank_up`` (gauge, 1/0) per socket; per answering rank, labelled
+    ``rank`` and ``digest``: ``hits_total`` and ``misses_total`` (counters,
+    the latter by ``reason``), ``attached_engines``, ``resident_bytes`` and
+    ``load_seconds`` (gauges).
+    """
+    base_labels = ["rank", "digest"]
+    up = GaugeMetricFamily(PREFIX + "rank_up", "1 when the rank answers on its socket")
+    hits = CounterMetricFamily(PREFIX + "hits_total", "get_state answers that matched the key", labels=base_labels)
+    misses = CounterMetricFamily(PREFIX + "misses_total", "get_state answers that did not, by reason",
+                                 labels=[*base_labels, "reason"])
+    attached = GaugeMetricFamily(PREFIX + "attached_engines", "engines holding a watch connection", labels=base_labels)
+    resident = GaugeMetricFamily(PREFIX + "resident_bytes", "bytes held in the rank's arena", labels=base_labels)
+    load = GaugeMetricFamily(PREFIX + "load_seconds", "seconds the rank took to read, hash and place its weights",
+                             labels=base_labels)
     for sock, s in zip(sockets, stats, strict=True):
         if s is None:
-            up.append(({"socket": sock}, 0))
+            up.add_sample(up.name, {"socket": sock}, 0)
             continue
-        base = {"rank": s["rank"], "digest": s["digest"]}
-        up.append(({"socket": sock, **base}, 1))
-        hits.append((base, s["hits"]))
+        rank, digest = str(s["rank"]), str(s["digest"])
+        base = [rank, digest]
+        up.add_sample(up.name, {"socket": sock, "rank": rank, "digest": digest}, 1)
+        hits.add_metric(base, s["hits"])
         for reason, n in sorted(s["misses"].items()):
-            misses.append(({**base, "reason": reason}, n))
-        attached.append((base, s["attached"]))
-        resident.append((base, s["resident_bytes"]))
-        load.append((base, s["load_seconds"]))
-    metric("rank_up", "gauge", "1 when the rank answers on its socket", up)
-    metric("hits_total", "counter", "get_state answers that matched the key", hits)
-    metric("misses_total", "counter", "get_state answers that did not, by reason", misses)
-    metric("attached_engines", "gauge", "engines holding a watch connection", attached)
-    metric("resident_bytes", "gauge", "bytes held in the rank's arena", resident)
-    metric("load_seconds", "gauge", "seconds the rank took to read, hash and place its weights", load)
-    return "\n".join(lines) + "\n"
+            misses.add_metric([*base, str(reason)], n)
+        attached.add_metric(base, s["attached"])
+        resident.add_metric(base, s["resident_bytes"])
+        load.add_metric(base, s["load_seconds"])
+    return [up, hits, misses, attached, resident, load]
+
+
+class RankCollector(Collector):
+    """Asks every rank for ``stats`` when scraped (prometheus_client's custom
+    collector shape), so a scrape reports the ranks as they are now."""
+
+    def __init__(self, sockets: Sequence[str]) -> None:
+        self.sockets = list(sockets)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from metric_families([rank_stats(s) for s in self.sockets], self.sockets)
+
+
+def metrics_registry(sockets: Sequence[str]) -> CollectorRegistry:
+    """A registry of its own holding only the ranks' collector: the default
+    registry would add this process' own metrics and outlive the server."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RankCollector(sockets))
+    return registry
 
 
 class HealthServer:
+    """``GET /health`` (200 ``ok`` when every rank answers, else 503) and
+    ``GET /metrics`` on ``host:port`` (port 0: any free port, see ``port``)."""
+
     def __init__(self, host: str, port: int, sockets: list[str]) -> None:
         sockets = list(sockets)
+        registry = metrics_registry(sockets)
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                stats = [rank_stats(s) for s in sockets]
                 if self.path == "/health":
-                    ok = all(s is not None for s in stats)
+                    ok = all(rank_stats(s) is not None for s in sockets)
                     body = (b"ok\n" if ok else b"unavailable\n")
                     self._send(200 if ok else 503, body, "text/plain")
                 elif self.path == "/metrics":
-                    self._send(200, render_metrics(stats, sockets).encode(), "text/plain; version=0.0.4")
+                    self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
                 else:
                     self._send(404, b"not found\n", "text/plain")
 

@@ -82,6 +82,20 @@ def unlink_if(path: str | os.PathLike[str], inode: tuple[int, int] | None) -> bo
     return True
 
 
+def remove_if_empty(directory: str | os.PathLike[str]) -> bool:
+    """Remove a stopped daemon's socket directory when nothing is left in it.
+
+    ``rmdir`` removes only an empty directory, so another rank's (or a
+    successor's) socket and lock are never touched; a successor that made the
+    directory in between makes it again (``preload.daemon.rank``).
+    """
+    try:
+        os.rmdir(directory)
+    except OSError:  # not empty, already gone, or not ours to remove
+        return False
+    return True
+
+
 class HomeWatch:
     """Watches one rank's home and repairs it; see the module docstring."""
 

@@ -6,9 +6,14 @@ until every rank reports ``rank_ready``, then prints ONE line on stdout::
 
     {"event": "ready", "digest": ..., "socket_dir": ..., "ranks": [...], "pid": ...}
 
-and stays up until SIGTERM/SIGINT, when it stops every rank (sockets
-removed, locks released). If any rank fails, the others are stopped and the
-first rank's error is raised.
+and stays up until SIGTERM/SIGINT, when it stops every rank (sockets,
+locks and the emptied socket directory removed). If any rank fails, the
+others are stopped and the first rank's error is raised. With
+``exit_with_parent`` (``preload --exit-with-parent``, what the gate asks
+for) it also stops when the process that started it dies, however it died
+(:mod:`preload.daemon.parent`). While it serves, its socket root is listed
+in the user's daemon registry (:mod:`preload.daemon.registry`), so a plain
+``preload-gate status`` finds it under any ``--socket-root``.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from preload.daemon.parent import INTERVAL_S as PARENT_POLL_S
+from preload.daemon.parent import ParentWatch
 from preload.daemon.placement import Parallelism, Placement, plan_local_ranks
 from preload.errors import ManifestError, PreloadGateError
 from preload.identity.manifest import load_manifest
@@ -35,10 +43,15 @@ from preload.trust import require_unsafe_controls
 log = logging.getLogger("preload.daemon")
 
 READY_TIMEOUT_S = 900.0
+POLL_S = PARENT_POLL_S  # how often the launcher looks at its ranks, its signals and its parent
 
 
 class RankFailedError(PreloadGateError):
     """A rank process failed before it served."""
+
+
+class StartInterruptedError(PreloadGateError):
+    """Told to stop (a signal, or the parent died) before every rank served."""
 
 
 @dataclass
@@ -55,6 +68,7 @@ class PreloadOptions:
     health_port: int | None = None
     health_host: str = "127.0.0.1"
     master_port: int | None = None
+    exit_with_parent: bool = False
 
 
 def expected_digest(opts: PreloadOptions) -> tuple[str | None, str]:
@@ -107,8 +121,13 @@ class Launcher:
         self.procs: list[tuple[Placement, subprocess.Popen[str]]] = []
         self.events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
 
-    def start(self) -> dict[str, Any]:
-        """Start every rank and wait for all of them; returns the ready event."""
+    def start(self, interrupted: Callable[[], str | None] = lambda: None) -> dict[str, Any]:
+        """Start every rank and wait for all of them; returns the ready event.
+
+        ``interrupted`` is asked twice a second while waiting: a reason
+        (a signal, the parent gone) stops the ranks and raises
+        :class:`StartInterruptedError`; a model load can take minutes.
+        """
         # Imported here, not at the top: the preflight before it must not
         # pay for torch (a refusal is meant to take milliseconds).
         from preload.daemon.rank import RankConfig
@@ -147,9 +166,14 @@ class Launcher:
         try:
             while len(ready) < len(self.procs):
                 try:
-                    rank, event = self.events.get(timeout=max(0.1, deadline - time.monotonic()))
+                    rank, event = self.events.get(timeout=min(POLL_S, max(0.1, deadline - time.monotonic())))
                 except queue.Empty:
-                    raise RankFailedError(f"ranks not ready after {READY_TIMEOUT_S:g} s") from None
+                    reason = interrupted()
+                    if reason:
+                        raise StartInterruptedError(f"stopped before every rank served: {reason}") from None
+                    if time.monotonic() >= deadline:
+                        raise RankFailedError(f"ranks not ready after {READY_TIMEOUT_S:g} s") from None
+                    continue
                 if event is None:
                     code = dict((p.global_rank, pr) for p, pr in self.procs)[rank].wait()
                     raise RankFailedError(f"rank {rank} exited with code {code} before serving (its log is above)")
@@ -200,41 +224,64 @@ class Launcher:
 
 def preflight(opts: PreloadOptions) -> None:
     """Every check that needs no weights, before a rank reads a byte
-    (:mod:`preload.preflight`): the checkpoint, the socket root and path
-    lengths, the rank locks, the health port, the unsafe-control switch."""
+    (:mod:`preload.preflight`): the checkpoint, ``--dtype``, the
+    tensor-parallel size against the model's heads, the socket root and path
+    lengths, the rank locks, the health port, the unsafe-control switch.
+    ``preload --dry-run`` runs the same checks."""
     from preload.preflight import preflight_daemon
 
     if opts.unsafe_identity is not None:
         require_unsafe_controls("--unsafe-identity")
     digest, _source = expected_digest(opts)
     ranks = [p.global_rank for p in plan_local_ranks(opts.parallel)]
-    preflight_daemon(opts.checkpoint, opts.socket_root, ranks, digest, opts.health_host, opts.health_port)
+    preflight_daemon(opts.checkpoint, opts.socket_root, ranks, digest, opts.health_host, opts.health_port,
+                     dtype=str(opts.engine.get("dtype") or "auto"), tp_size=opts.parallel.tp_size)
 
 
 def run(opts: PreloadOptions, out: Any = None) -> int:
-    """Start, announce, serve until SIGTERM/SIGINT; the ``preload`` verb."""
+    """Start, announce, serve until SIGTERM/SIGINT (or, with
+    ``exit_with_parent``, until the starter dies); the ``preload`` verb."""
+    from preload.daemon import registry
+
+    # First: a parent that dies while we check or load is seen too.
+    parent = ParentWatch.from_env() if opts.exit_with_parent else None
     out = out or sys.stdout
     preflight(opts)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def interrupted() -> str | None:
+        if stop.is_set():
+            return "SIGTERM/SIGINT"
+        if parent is not None and parent.gone():
+            return f"the process that started this daemon (pid {parent.parent}) is gone"
+        return None
+
     launcher = Launcher(opts)
     health = None
+    entry = None
     try:
-        ready = launcher.start()
+        ready = launcher.start(interrupted)
         if opts.health_port is not None:
             from preload.daemon.health import HealthServer
 
             health = HealthServer(opts.health_host, opts.health_port, [r["socket"] for r in ready["ranks"]])
             health.start()
             ready["health"] = f"http://{opts.health_host}:{health.port}"
+        entry = registry.register(os.path.dirname(ready["socket_dir"]), ready["digest"])
         out.write(json.dumps(ready) + "\n")
         out.flush()
-        while not stop.wait(0.5):
+        while not stop.wait(POLL_S):
             if not launcher.alive():
                 log.error("a rank process died; stopping the others")
                 return 1
+            reason = interrupted()
+            if reason:  # the parent gone (a signal also ends the wait)
+                log.error("stopping: %s", reason)
+                return 1
         return 0
     finally:
+        registry.unregister(entry)
         if health is not None:
             health.stop()
         launcher.stop()

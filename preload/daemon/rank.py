@@ -16,9 +16,13 @@ import signal
 import sys
 import threading
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
+from preload.daemon.home import remove_if_empty
 from preload.daemon.lock import RankLock
+from preload.daemon.parent import INTERVAL_S as PARENT_POLL_S
+from preload.daemon.parent import ParentWatch
 from preload.daemon.server import RankServer
 from preload.daemon.stage import Filled
 from preload.errors import PreloadGateError
@@ -99,8 +103,29 @@ def _fill(cfg: RankConfig, expected: str | None) -> Filled:
     raise PreloadGateError(f"unknown stage {cfg.stage!r} (raw, loaded, processed)")
 
 
-def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None) -> None:
-    """Fill and serve one rank until ``stop`` is set."""
+def _lock_rank(digest: str, cfg: RankConfig) -> tuple[Path, RankLock]:
+    """Make the digest's socket directory and lock this rank in it.
+
+    A stopping daemon removes its directory when it is empty (the launcher's
+    ``stop``): if that happens between our mkdir and our lock file, make the
+    directory again rather than fail.
+    """
+    attempts = 3
+    for attempt in range(attempts):
+        sdir = ensure_private_dir(socket_dir(digest, cfg.socket_root))
+        try:
+            return sdir, RankLock.acquire(sdir, cfg.global_rank)
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
+               parent: ParentWatch | None = None) -> None:
+    """Fill and serve one rank until ``stop`` is set or its launcher (``parent``,
+    by default this process's parent now) is gone."""
+    parent = parent or ParentWatch()
     if cfg.cpus:
         os.sched_setaffinity(0, cfg.cpus)
         import torch
@@ -126,8 +151,7 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None) -> 
         )
     lock = None
     if expected is not None:
-        sdir = ensure_private_dir(socket_dir(expected, cfg.socket_root))
-        lock = RankLock.acquire(sdir, cfg.global_rank)
+        sdir, lock = _lock_rank(expected, cfg)
     try:
         baseline = proc_status("VmRSS")
         filled = _fill(cfg, None if cfg.unsafe_identity else expected)
@@ -142,11 +166,11 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None) -> 
             filled.key = dataclasses.replace(filled.key, content_digest=expected)
         if lock is None:
             log.warning("no manifest or --expect-digest: serving the digest of the bytes read, %s", filled.digest)
-            sdir = ensure_private_dir(socket_dir(filled.digest, cfg.socket_root))
-            lock = RankLock.acquire(sdir, cfg.global_rank)
+            sdir, lock = _lock_rank(filled.digest, cfg)
     except BaseException:
         if lock is not None:
             lock.release()
+            remove_if_empty(lock.path.parent)
         raise
     server = RankServer(filled, sdir, cfg.global_rank, lock, checkpoint=os.path.realpath(cfg.checkpoint))
     server.start()
@@ -162,19 +186,17 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None) -> 
                 "peak_rss_bytes": filled.peak_rss_bytes, "baseline_rss_bytes": filled.baseline_rss_bytes,
                 "daemon_id": server.daemon_id, "gpu_uuid": getattr(filled.arena, "uuid", None),
             })
-        parent = os.getppid()
-        while not stop.wait(0.5):
-            # Orphaned (the launcher was killed -9): stop, or this rank would
-            # hold its lock and memory forever and block the next daemon
-            # (reliability tests: test_faults_daemon.py).
-            if os.getppid() != parent:
-                log.error("rank %d: the launcher (pid %d) is gone; stopping", cfg.global_rank, parent)
+        while not stop.wait(PARENT_POLL_S):
+            # Orphaned (the launcher was killed -9): stop (preload.daemon.parent).
+            if parent.gone():
+                log.error("rank %d: the launcher (pid %d) is gone; stopping", cfg.global_rank, parent.parent)
                 break
     finally:
         server.stop()
 
 
 def main() -> int:
+    parent = ParentWatch()  # first: a launcher killed while this rank loads is seen too
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -186,7 +208,7 @@ def main() -> int:
 
     try:
         cfg = RankConfig.from_json(json.loads(sys.stdin.readline()))
-        serve_rank(cfg, stop, announce)
+        serve_rank(cfg, stop, announce, parent)
     except Exception as exc:
         if not isinstance(exc, PreloadGateError):
             log.exception("rank failed")

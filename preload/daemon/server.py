@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from preload import protocol
-from preload.daemon.home import HomeWatch, inode_of, unlink_if
+from preload.daemon.home import HomeWatch, inode_of, remove_if_empty, unlink_if
 from preload.daemon.lock import RankBusyError, RankLock, socket_answers
 from preload.daemon.stage import Filled
 from preload.errors import PreloadGateError, ProtocolError
@@ -155,6 +155,7 @@ class RankServer:
             except OSError:
                 pass
         self._lock.release()
+        remove_if_empty(self.socket_dir)  # the last rank out leaves nothing behind
         self._close_arena()
 
     def _close_arena(self) -> None:

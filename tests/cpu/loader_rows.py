@@ -76,7 +76,7 @@ def run_row(row: dict[str, Any], handler: _Lines) -> dict[str, Any]:
     from vllm.model_executor.model_loader import get_model_loader
 
     import preload.client
-    import preload.loader
+    import preload.loader.resident
 
     for k, v in row.get("env", {}).items():
         os.environ[k] = v
@@ -103,8 +103,8 @@ def run_row(row: dict[str, Any], handler: _Lines) -> dict[str, Any]:
             from preload.errors import WeightCacheUnavailableError
 
             raise WeightCacheUnavailableError(f"resident checksum mismatch on {sorted(tensors)[0]}")
-        patch(preload.loader, "_verify_resident", verify)
-        patch(preload.loader, "_should_verify", lambda opts, state: True)
+        patch(preload.loader.resident, "verify_attached", verify)
+        patch(preload.loader.resident, "should_verify", lambda opts, state: True)
     elif inject == "config_unreadable":
         # vLLM read config.json when it built its config; the file is then
         # broken before the load (an edit mid-start, a bad sync).

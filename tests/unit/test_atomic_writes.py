@@ -2,8 +2,9 @@
 file intact and no temporary file behind.
 
 The full disk is real where we can have one (a 64 KiB tmpfs; we are root in
-CI containers); elsewhere that test skips with its reason and the simulated
-ENOSPC tests below still run. Every check has a control: the same check run
+CI containers); elsewhere that test skips with its reason (a failure under
+PRELOAD_GATE_STRICT_SKIPS=1, which CI sets) and the simulated ENOSPC tests
+below still run. Every check has a control: the same check run
 against a naive ``open(path, "wb")`` writer must fail, or the check proves
 nothing.
 """
@@ -25,6 +26,7 @@ from reliability_support import (
     fill_disk,
     fresh_checkpoint,
     leftovers,
+    skip_privileged,
     small_tmpfs,
 )
 
@@ -81,7 +83,7 @@ def test_full_tmpfs_keeps_previous_file(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     with small_tmpfs(disk, "64k") as reason:
         if reason:
-            pytest.skip(f"no real full disk here ({reason}); see the simulated ENOSPC tests")
+            skip_privileged(f"no real full disk here ({reason}); see the simulated ENOSPC tests")
         big = b"x" * (256 << 10)  # four times the disk
         raised, now, left = _failed_write_outcome(disk, _atomic.write_bytes, big)
         assert raised, "a write 4x the disk size must fail with ENOSPC"
@@ -107,7 +109,7 @@ def test_full_tmpfs_keeps_previous_manifest(tmp_path: Path) -> None:
     sockets = tmp_path / "sockets"
     with small_tmpfs(cache, "64k") as reason:
         if reason:
-            pytest.skip(f"no real full disk here ({reason}); see the simulated ENOSPC tests")
+            skip_privileged(f"no real full disk here ({reason}); see the simulated ENOSPC tests")
         first = promote(ckpt, socket_root=sockets, cache_dir=cache, progress=False)
         mpath = manifest_path(ckpt, cache)
         before = mpath.read_bytes()
@@ -147,7 +149,7 @@ def test_full_tmpfs_keeps_previous_reports(tmp_path: Path, monkeypatch: pytest.M
     disk = tmp_path / "disk"
     with small_tmpfs(disk, "64k") as reason:
         if reason:
-            pytest.skip(f"no real full disk here ({reason}); see the simulated ENOSPC tests")
+            skip_privileged(f"no real full disk here ({reason}); see the simulated ENOSPC tests")
         paths = report.write_reports({"run": "old"}, disk)
         before = {k: p.read_bytes() for k, p in paths.items()}
         fill_disk(disk)

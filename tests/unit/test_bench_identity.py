@@ -106,9 +106,11 @@ def test_restart_row_runs_small(tmp_path):
 def test_restart_row_measures_with_and_without_latency(tmp_path):
     """One run, both variants side by side, same files; the zero-I/O properties hold in each."""
     opts = BenchOptions(workdir=tmp_path, params={"shards": "4", "shard_mb": "0.05", "latency_ms": "2",
-                                                       "header_impl": "reimpl"})
+                                                       "header_impl": "reimpl", "trip_shards": "6,4",
+                                                       "trip_repeats": "2"})
     results = run_rows(opts, ["restart_identity"])
-    assert len(results) == 9  # 4 pairs per variant, and content/stat in round trips for the remote one
+    # 4 pairs per variant, and content/stat in round trips for the remote one at 4 and 6 shards
+    assert len(results) == 10
     rows = results[0].details["table"]
     assert [r["latency_ms"] for r in rows] == [2.0] * 7 + [0.0] * 7
     for latency in (2.0, 0.0):
@@ -120,9 +122,25 @@ def test_restart_row_measures_with_and_without_latency(tmp_path):
             h = t["header_only"]
             assert h["wall_s"] >= 0.002 * (h["opens"] + h["reads"])
     titles = [r.title for r in results]
-    assert sum("2 ms remote fs" in t for t in titles) == 5 and sum("local fs (0 ms)" in t for t in titles) == 4
+    assert sum("2 ms remote fs" in t for t in titles) == 6 and sum("local fs (0 ms)" in t for t in titles) == 4
     trips = [r for r in results if "round trips" in r.title]
-    assert len(trips) == 1 and trips[0].anchor.value == 0.002 and trips[0].ratio is not None
+    assert [r.details["trip_shards"] for r in trips] == [4, 6]
+    for r, n in zip(trips, (4, 6), strict=True):
+        assert r.anchor.value == 0.002 and r.ratio == r.details["wall_s"] / 0.002
+        # One stat per shard plus the directory and the index, none opened; the
+        # shim charged each round trip at least once (a lower bound, not a timing claim).
+        assert r.details["stats"] == n + 2 and r.details["opens"] == 0
+        assert len(r.details["cold_walls_s"]) == len(r.details["parked_walls_s"]) == 2
+        assert len(r.details["cold_cpu_s"]) == len(r.details["parked_cpu_s"]) == 2
+        assert min(r.details["cold_walls_s"] + r.details["parked_walls_s"]) >= 0.002
+        assert "cold start" in r.ours.label and "parked beforehand" in r.notes
+    # The remote pairs take ours from the median of the 4-shard cold starts; the local ones from the table.
+    remote = [r for r in results if "2 ms remote fs (" in r.title and "content/stat" in r.ours.label]
+    local = [r for r in results if "local fs (0 ms) (" in r.title and "content/stat" in r.ours.label]
+    assert len(remote) == len(local) == 3
+    assert all(r.ours.value == trips[0].details["wall_s"] and "median of 2 cold starts" in r.notes for r in remote)
+    local_wall = {r["scheme"]: r["wall_s"] for r in rows if r["latency_ms"] == 0.0}["content/stat"]
+    assert all(r.ours.value == pytest.approx(local_wall, abs=1e-6) and "median" not in r.notes for r in local)
     pinned = [r for r in results if r.ours.label.startswith("content/pinned")]
     assert len(pinned) == 2 and all(r.ratio is None for r in pinned)
 
@@ -130,6 +148,10 @@ def test_restart_row_measures_with_and_without_latency(tmp_path):
 def test_restart_row_bad_latency(tmp_path):
     with pytest.raises(BenchError, match="latency"):
         run_rows(BenchOptions(workdir=tmp_path, params={"latency_ms": "-1"}), ["restart_identity"])
+    for bad in ({"trip_shards": "many"}, {"trip_shards": "0"}, {"trip_repeats": "0"}):
+        with pytest.raises(BenchError, match="trip_"):
+            run_rows(BenchOptions(workdir=tmp_path, params=bad), ["restart_identity"])
+    assert not list(tmp_path.iterdir()), "refused before writing a checkpoint"
 
 
 def test_throughput_row_runs_small(tmp_path):
@@ -167,3 +189,52 @@ def test_parse_size():
 
 def test_registry_has_the_identity_rows():
     assert {"restart_identity", "promote_throughput"} <= set(load_rows())
+
+
+def _stats_sleep_together(fs_cls, root, monkeypatch) -> bool:
+    """Whether 8 concurrent stats under ``fs_cls`` are all in their latency
+    wait at once (a barrier stands in for the shim's sleep)."""
+    import os
+    import threading
+
+    import harness.bench.remote_fs as remote_fs
+
+    barrier = threading.Barrier(8, timeout=2)
+
+    class Clock:
+        @staticmethod
+        def sleep(_s: float) -> None:
+            barrier.wait()
+
+    monkeypatch.setattr(remote_fs, "time", Clock)
+    broken = []
+
+    def one() -> None:
+        try:
+            os.stat(root)
+        except threading.BrokenBarrierError:
+            broken.append(1)
+
+    with fs_cls([root], latency_s=0.05):
+        threads = [threading.Thread(target=one) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return not broken
+
+
+def test_shim_overlaps_concurrent_stats(tmp_path, monkeypatch):
+    """A remote FS serves concurrent stats concurrently: the shim's lock covers
+    its counters, never the latency. Control: a shim that sleeps under its
+    lock serializes them, and the same check fails."""
+
+    import harness.bench.remote_fs as remote_fs
+
+    class Serializing(RemoteFS):
+        def _charge(self, kind: str, nbytes: int = 0) -> None:
+            with self._lock:  # the latency charged under the lock
+                remote_fs.time.sleep(self.stat_latency_s)
+
+    assert _stats_sleep_together(RemoteFS, tmp_path, monkeypatch)
+    assert not _stats_sleep_together(Serializing, tmp_path, monkeypatch)

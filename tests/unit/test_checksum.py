@@ -17,6 +17,7 @@ from preload.checksum import (
     ResidentWeightsChangedError,
     arena_base,
     checksum_tensors,
+    scheme,
     tensor_checksum,
     verify_resident,
 )
@@ -35,9 +36,9 @@ def _bigint_reference(t: torch.Tensor) -> str:
     for k in np.flatnonzero(words).tolist():  # zero words add nothing
         x = int(words[k])
         blk = k >> 12
-        a += x * int(ck._TA[k % 4096])
-        b += x * ((((int(ck._TB[blk % 4096]) + (blk >> 12) * ck._KB)) & 0xFFFFFFFF) | 1)
-        c += (((x << 16) | (x >> 16)) & 0xFFFFFFFF) * int(ck._TA[k % 4096])
+        a += x * int(scheme.TA[k % 4096])
+        b += x * ((((int(scheme.TB[blk % 4096]) + (blk >> 12) * scheme.KB)) & 0xFFFFFFFF) | 1)
+        c += (((x << 16) | (x >> 16)) & 0xFFFFFFFF) * int(scheme.TA[k % 4096])
     m = 0xFFFFFFFF
     return f"{a & m:08x}{b & m:08x}{c & m:08x}"
 
@@ -195,6 +196,7 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter() -> None:
         """
         import torch
         from preload import checksum as ck
+        from preload.checksum import planner
         from preload.transports.base import Layout, view
         specs = [("a", torch.bfloat16, (37, 129), "param"), ("b", torch.float32, (5000,), "param"),
                  ("c", torch.int8, (7,), "param"), ("d", torch.bfloat16, (0,), "param"),
@@ -206,7 +208,7 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter() -> None:
         ref = ck.checksum_tensors(tensors, layout, backend="torch")
         assert fast == ref, (fast, ref)
         for iters in (1, 2):  # several programs per tensor, and a partial last program
-            rows = ck._lanes_triton(base, layout, iters=iters).tolist()
+            rows = planner.lanes_triton(base, layout, iters=iters).tolist()
             got = {e.name: ck.Checksum.from_lanes(r).hex() for e, r in zip(layout.entries, rows)}
             assert got == ref, (iters, got, ref)
         tensors["e"].view(torch.int16)[-1] ^= 1

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from preload import checksum as ck
+from preload.checksum import planner
 from preload.transports.base import Layout, view
 
 pytestmark = pytest.mark.unit
@@ -38,6 +39,7 @@ def test_every_kernel_shape_equals_the_reference_in_the_interpreter() -> None:
         """
         import torch
         from preload import checksum as ck
+        from preload.checksum import planner
         from preload.transports.base import Layout, view
         specs = %r
         specs = [(n, getattr(torch, d), s, k) for n, d, s, k in specs]
@@ -47,8 +49,8 @@ def test_every_kernel_shape_equals_the_reference_in_the_interpreter() -> None:
         ref = ck.checksum_tensors(tensors, layout, backend="torch")
         for tile in (1024, 2048, 4096):
             for iters in (1, 2, 3):  # several programs per tensor, and a partial last one
-                lanes = ck._lanes_triton(base, layout, iters=iters, tile=tile)
-                got = dict(zip([e.name for e in layout.entries], ck._hex_rows(lanes)))
+                lanes = planner.lanes_triton(base, layout, iters=iters, tile=tile)
+                got = dict(zip([e.name for e in layout.entries], planner.hex_rows(lanes)))
                 assert got == ref, (tile, iters, got, ref)
         # The kernel starts before the views are checked: a view that is not its
         # entry's bytes must still get its own checksum (the per-tensor path).
@@ -56,8 +58,8 @@ def test_every_kernel_shape_equals_the_reference_in_the_interpreter() -> None:
         want = ck.checksum_tensors(moved, layout, backend="torch")
         assert want["b"] != ref["b"] and ck.checksum_tensors(moved, layout, backend="auto") == want
         tensors["e"].view(torch.int16)[-1] ^= 1  # control: the last tile's last element counts
-        lanes = ck._lanes_triton(base, layout, iters=2, tile=1024)
-        assert ck._hex_rows(lanes)[4] != ref["e"]
+        lanes = planner.lanes_triton(base, layout, iters=2, tile=1024)
+        assert planner.hex_rows(lanes)[4] != ref["e"]
         print("ok")
         """
     ) % [(n, str(d).removeprefix("torch."), s, k) for n, d, s, k in SPECS]
@@ -71,23 +73,23 @@ def test_hex_rows_equals_checksum_hex() -> None:
     lanes = rng.integers(-(2**31), 2**31, size=(50, 3), dtype=np.int64).astype(np.int32)
     lanes[0] = [-1, 0, -(2**31)]
     want = [ck.Checksum.from_lanes(r).hex() for r in lanes.tolist()]
-    assert ck._hex_rows(torch.from_numpy(lanes)) == want
-    assert ck._hex_rows(torch.zeros((0, 3), dtype=torch.int32)) == []
+    assert planner.hex_rows(torch.from_numpy(lanes)) == want
+    assert planner.hex_rows(torch.zeros((0, 3), dtype=torch.int32)) == []
 
 
 def test_plan_is_cached_per_layout_object_and_built_for_a_new_one() -> None:
     layout, _base, _tensors = _arena()
     cpu = torch.device("cpu")
-    plan = ck._plan(layout, cpu, 1024, 2)
-    assert ck._plan(layout, cpu, 1024, 2) is plan
+    plan = planner.plan_programs(layout, cpu, 1024, 2)
+    assert planner.plan_programs(layout, cpu, 1024, 2) is plan
     again = Layout(tuple(layout.entries), layout.total_bytes)
-    fresh = ck._plan(again, cpu, 1024, 2)
+    fresh = planner.plan_programs(again, cpu, 1024, 2)
     assert fresh is not plan and fresh.programs == plan.programs
     assert torch.equal(fresh.seg_of_prog, plan.seg_of_prog)
     # "e" is 49162 bytes: 4 blocks of 4096 words -> 2 groups of 2, 4 tiles of 1024 words each.
     counts = torch.bincount(plan.seg_of_prog.long(), minlength=len(layout.entries)).tolist()
     assert counts == [1 * 4, 1 * 4, 1 * 4, 0, 2 * 4]
-    assert ck._plan(layout, cpu, 4096, 2).programs == 1 + 1 + 1 + 0 + 2
+    assert planner.plan_programs(layout, cpu, 4096, 2).programs == 1 + 1 + 1 + 0 + 2
 
 
 def test_arena_base_rejects_a_moved_or_strided_view_and_accepts_the_arena() -> None:

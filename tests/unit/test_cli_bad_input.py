@@ -14,6 +14,7 @@ two-line error fails the one-line rule.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -50,7 +51,18 @@ def world(tmp_path_factory, tiny_ckpt):
     foreign = base / "foreigncache"
     (foreign / "manifests").mkdir(parents=True, mode=0o700)
     os.chown(foreign / "manifests", 65534, 65534)  # another user's (nobody) manifests
-    yield {"base": base, "ckpt": ckpt, "port": busy.getsockname()[1], "long": base / ("d" * 60) / ("e" * 40)}
+    # A grouped-query model: 6 attention heads, 2 key/value heads (only
+    # config.json differs; the checks read nothing else). tp 3 divides the
+    # heads but not the KV heads; tp 2 divides both.
+    gqa = base / "gqa"
+    shutil.copytree(tiny_ckpt, gqa)
+    cfg = json.loads((gqa / "config.json").read_text())
+    (gqa / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 6, "num_key_value_heads": 2}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    yield {"base": base, "ckpt": ckpt, "port": busy.getsockname()[1], "long": base / ("d" * 60) / ("e" * 40),
+           "gqa": gqa, "free": free}
     busy.close()
 
 
@@ -70,7 +82,8 @@ def _run(world, argv: list[str], extra_env: dict[str, str] | None = None) -> tup
     env.update(extra_env or {})
     watched = [base / "cache", base / "sock", base / "tmp", work, base / "foreigncache", world["ckpt"]]
     before = _tree(*watched)
-    argv = [a.format(ckpt=world["ckpt"], base=base, port=world["port"], long=world["long"]) for a in argv]
+    argv = [a.format(ckpt=world["ckpt"], base=base, port=world["port"], long=world["long"], gqa=world["gqa"],
+                     free=world["free"]) for a in argv]
     p = subprocess.run([sys.executable, "-m", "preload_gate", *argv], capture_output=True, text=True,
                        timeout=120, env=env, cwd=work)
     return p, before, _tree(*watched)
@@ -107,14 +120,36 @@ BAD = [
     ("preload", ["preload", "{ckpt}", "--stage", "raw", "--unsafe-identity", "header_only"], None,
      "PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS=1"),
     ("preload", ["preload", "{ckpt}", "--stage", "raw", "--expect-digest", "xyz"], None, "64 hex"),
+    # --dry-run runs the start's own checks (the tiny model: 2 heads, 1 KV head).
+    ("preload", ["preload", "{ckpt}", "--dry-run", "--health-port", "{port}"], None, "already in use"),
+    ("preload", ["preload", "{ckpt}", "--dry-run", "--dtype", "bf16"], None, "is not a dtype vLLM takes"),
+    ("preload", ["preload", "{ckpt}", "--dry-run", "-tp", "4"], None, "2 attention heads"),
+    ("preload", ["preload", "{ckpt}", "-tp", "4"], None, "choose a tensor-parallel size from [1, 2]"),
+    ("preload", ["preload", "{gqa}", "--dry-run", "-tp", "3"], None, "2 key/value heads"),
     ("status", ["status", "--bogus"], None, "unrecognized arguments"),
     ("gate", ["gate", "{base}/nope", "--mutations", "all"], None, "does not exist"),
     ("gate", ["gate", "{ckpt}", "--mutations", "bogus"], None, "unknown mutation bogus"),
+    # --report is checked before any engine starts: a file in the way, a place mkdir refuses.
+    ("gate", ["gate", "{ckpt}", "--report", "{base}/afile/r"], None, "is not a directory"),
+    ("gate", ["gate", "{ckpt}", "--report", "{base}/afile"], None, "is not a directory"),
+    ("gate", ["gate", "{ckpt}", "--report", "/proc/pg-no-such-report"], None, "cannot be written"),
+    # Control: a good --report passes that check and the gate stops at its next one.
+    ("gate", ["gate", "{ckpt}", "--mutations", "bogus", "--report", "{base}/cwd/report"], None,
+     "unknown mutation bogus"),
     ("canary", ["canary", "record", "--model", "{base}/nope", "--out", "{base}/cwd/g.json"], None, "nope"),
     ("canary", ["canary", "check", "--base-url", "http://127.0.0.1:9", "--golden", "{base}/nope.json"], None,
      "nope.json"),
     ("bench", ["bench", "--only", "no_such_row"], None, "no_such_row"),
     ("demo", ["demo", "--bogus"], None, "unrecognized arguments"),
+    ("demo", ["demo", "--report", "{base}/afile/r"], None, "is not a directory"),
+]
+
+# Controls for the preload checks above: good inputs pass the same checks
+# (exit 0, the plan, nothing on disk), so each refusal is the check's doing.
+GOOD_DRY_RUN = [
+    ["preload", "{ckpt}", "--dry-run", "--json", "--health-port", "{free}", "--dtype", "BFloat16", "-tp", "2"],
+    ["preload", "{gqa}", "--dry-run", "--json", "-tp", "2"],
+    ["preload", "{gqa}", "--dry-run", "--json", "-tp", "6"],  # KV heads replicated 3 times
 ]
 
 
@@ -122,6 +157,15 @@ BAD = [
 def test_bad_input_is_one_line_exit_2_nothing_written(world, verb, argv, env, needle):
     p, before, after = _run(world, argv, env)
     check_refusal(p, before, after, needle)
+
+
+@pytest.mark.parametrize("argv", GOOD_DRY_RUN, ids=[" ".join(a[2:]) for a in GOOD_DRY_RUN])
+def test_good_input_passes_the_dry_run_checks(world, argv):
+    p, before, after = _run(world, argv)
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)
+    assert len(plan["ranks"]) == int(argv[argv.index("-tp") + 1])
+    assert after == before, f"new on disk: {sorted(after - before)}"
 
 
 def test_every_verb_has_a_row():

@@ -73,7 +73,12 @@ def serving(env: dict[str, str], root: Path | None = None) -> list[dict]:
 # ------------------------------------------------------------------ the default root
 
 def test_default_root_does_not_depend_on_the_session(monkeypatch, tmp_path) -> None:
+    import tempfile
+
     monkeypatch.delenv("PRELOAD_GATE_SOCKET_ROOT", raising=False)
+    # gettempdir() caches TMPDIR in tempfile.tempdir; restored after the test,
+    # so no later test inherits this test's TMPDIR, whether it passes or not.
+    monkeypatch.setattr(tempfile, "tempdir", None)
     roots = set()
     for xdg, tmpdir in ((str(tmp_path / "run"), str(tmp_path / "a")), (None, str(tmp_path / "b")), (None, None)):
         (tmp_path / "run").mkdir(exist_ok=True)
@@ -82,11 +87,8 @@ def test_default_root_does_not_depend_on_the_session(monkeypatch, tmp_path) -> N
                 monkeypatch.delenv(name, raising=False)
             else:
                 monkeypatch.setenv(name, value)
-        import tempfile
-
         tempfile.tempdir = None  # gettempdir() re-reads TMPDIR
         roots.add(default_socket_root())
-    tempfile.tempdir = None
     assert roots == {Path(f"/tmp/preload-gate-{os.getuid()}")}
     # control: the old rule followed XDG_RUNTIME_DIR, which one session has and another does not
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
@@ -126,10 +128,13 @@ def test_two_sessions_of_one_user_find_one_daemon(tmp_path, monkeypatch) -> None
         second.start(expect_ready=False)
         assert second.proc is not None and second.proc.returncode != 0
         assert "already serves rank 0" in second.output
-        # control: a session whose root differs (what XDG_RUNTIME_DIR did) finds nothing
-        other = {**session_b, "PRELOAD_GATE_SOCKET_ROOT": str(short_dir("pg-other-"))}
-        assert serving(other) == []
+        # control: a session whose root differs (what XDG_RUNTIME_DIR did) finds nothing there,
+        other_root = short_dir("pg-other-")
+        other = {**session_b, "PRELOAD_GATE_SOCKET_ROOT": str(other_root)}
+        assert serving(other, other_root) == []
         assert attach(other, ckpt).startswith("ERROR")
+        # though its plain `status` still names the daemon and its root (the user's registry)
+        assert [r["socket_root"] for r in serving(other) if r["socket"].startswith(str(sdir))] == [str(sdir.parent)]
         shutil.rmtree(other["PRELOAD_GATE_SOCKET_ROOT"])
     finally:
         if second is not None:
@@ -181,7 +186,7 @@ def test_cleaned_home_is_repaired_nothing_lost_no_second_copy(scene, cleaner) ->
     assert [r["pid"] for r in serving(scene["env"])] == [d1.rank_pid]  # one copy
     assert d1.proc is not None and d1.proc.poll() is None
     assert d1.stop() == 0
-    assert sorted(os.listdir(sdir)) == []  # it removed what it had made, nothing else was there
+    assert not sdir.exists()  # it removed what it had made; rmdir proves nothing else was there
 
 
 def test_control_without_the_home_watch_the_cleaned_daemon_is_lost(scene) -> None:

@@ -108,8 +108,8 @@ def test_outcome_is_checked():
 def test_verify_resident_defaults_on_for_cuda_arenas(kind, configured, want):
     from types import SimpleNamespace
 
-    from preload.loader import _should_verify
+    from preload.loader.resident import should_verify
 
     extra = {} if configured is None else {"verify_resident": configured}
     state = SimpleNamespace(descriptor={"kind": kind})
-    assert _should_verify(LoaderOptions.from_extra(extra), state) is want
+    assert should_verify(LoaderOptions.from_extra(extra), state) is want

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from daemon_support import process_gone
 from reliability_support import (
     PYTHON,
     REPO,
@@ -126,6 +127,7 @@ def test_daemon_killed_during_attach_fails_fast(daemon: RawDaemon, ckpt: Path) -
 
 
 def test_hung_daemon_is_bounded_by_the_client_deadline(daemon: RawDaemon, ckpt: Path) -> None:
+    """A stopped daemon never answers: without the deadline this would hang."""
     client = DaemonClient.connect(daemon.socket_dir, 0, deadline_s=1.5)
     pid = daemon.serving_pid
     os.kill(pid, signal.SIGSTOP)
@@ -137,14 +139,16 @@ def test_hung_daemon_is_bounded_by_the_client_deadline(daemon: RawDaemon, ckpt: 
     finally:
         os.kill(pid, signal.SIGCONT)
         client.close()
-    assert 1.0 < took < 1.5 + FAIL_FAST_S, took
+    # Not before the deadline; the upper bound is 10x it (a loaded machine).
+    assert 1.0 < took < 10 * 1.5, took
 
 
 def test_connect_to_dead_daemon_fails_fast(daemon: RawDaemon) -> None:
     daemon.kill()
     t0 = time.monotonic()
     with pytest.raises(WeightCacheUnavailableError, match="no daemon answers"):
-        DaemonClient.connect(daemon.socket_dir, 0, timeout_s=5)
+        DaemonClient.connect(daemon.socket_dir, 0, timeout_s=60)
+    # It does not wait out timeout_s for a daemon that is gone.
     assert time.monotonic() - t0 < FAIL_FAST_S
 
 
@@ -320,6 +324,7 @@ def test_trickling_client_does_not_block_others(daemon: RawDaemon, ckpt: Path, e
     frame = b"\x00\x00\x00\x10" + b'{"cmd":"stats"} '
     stop = threading.Event()
     cut_at: list[float] = []
+    sent = [0]  # bytes of the frame the daemon has taken so far
 
     def trickle() -> None:
         for b in frame:
@@ -330,19 +335,23 @@ def test_trickling_client_does_not_block_others(daemon: RawDaemon, ckpt: Path, e
             except OSError:
                 cut_at.append(time.monotonic())
                 return
+            sent[0] += 1
+            first_byte.set()
             time.sleep(1.0)
 
+    first_byte = threading.Event()
     t0 = time.monotonic()
     threading.Thread(target=trickle, daemon=True).start()
-    latencies = []
-    while time.monotonic() - t0 < 4:
-        s = time.monotonic()
+    assert first_byte.wait(30)
+    # Others are served while the trickler is mid-frame and not yet cut off
+    # (a daemon that served one client at a time would serve them only after
+    # the trickler's frame ended or its deadline cut it).
+    for _ in range(3):
         att, tensors = attach_raw(daemon.socket_dir, ckpt, daemon.digest)
         assert tensor_digests(tensors) == expected
         att.close()  # type: ignore[attr-defined]
-        latencies.append(time.monotonic() - s)
+        assert 0 < sent[0] < len(frame) and not cut_at, "others waited on the trickling client"
         time.sleep(0.2)
-    assert max(latencies) < 1.0, f"others waited on the trickling client: {latencies}"
     # The daemon cuts the trickler off at its per-message deadline.
     slow.settimeout(DEFAULT_DEADLINE_S + 5)
     try:
@@ -355,7 +364,10 @@ def test_trickling_client_does_not_block_others(daemon: RawDaemon, ckpt: Path, e
     stop.set()
     slow.close()
     assert b"deadline" in data, "the trickling client should get a deadline error before the close"
-    assert DEFAULT_DEADLINE_S - 1 < cut < DEFAULT_DEADLINE_S + 3, cut
+    # Cut by the deadline (not before it), while its frame was still incomplete
+    # (the trickle needs len(frame) s, twice the deadline).
+    assert cut > DEFAULT_DEADLINE_S - 1, cut
+    assert sent[0] < len(frame), sent
     assert daemon.alive()
 
 
@@ -406,13 +418,7 @@ def test_launcher_killed_ranks_stop_and_next_daemon_serves(
     first.kill()
 
     def gone() -> bool:
-        try:
-            os.kill(rank_pid, 0)
-        except ProcessLookupError:
-            return True
-        # A zombie waiting for its reaper counts as gone.
-        with open(f"/proc/{rank_pid}/stat") as f:
-            return f.read().split(") ", 1)[1].startswith("Z")
+        return process_gone(rank_pid)
 
     try:
         assert _wait(gone, 5), "the orphaned rank is still running after its launcher was killed"

@@ -32,6 +32,7 @@ from reliability_support import (
     run_as,
     setpriv_reason,
     short_tempdir,
+    skip_privileged,
 )
 
 from preload.client import DaemonClient
@@ -78,7 +79,7 @@ def _served(daemon: RawDaemon) -> bool:
 def test_other_uid_rejected_by_peer_credentials(daemon: RawDaemon) -> None:
     reason = setpriv_reason()
     if reason:
-        pytest.skip(f"cannot run a client as another uid here: {reason}")
+        skip_privileged(f"cannot run a client as another uid here: {reason}")
     hostile = _peer(NOBODY, daemon.socket)
     assert hostile["uid"] == NOBODY
     # It reached the socket (the capability got it past the file modes)...
@@ -98,7 +99,7 @@ def test_other_uid_without_capability_is_stopped_by_modes(daemon: RawDaemon) -> 
     keeps another uid out (EACCES at connect)."""
     reason = setpriv_reason()
     if reason:
-        pytest.skip(f"cannot run a client as another uid here: {reason}")
+        skip_privileged(f"cannot run a client as another uid here: {reason}")
     proc = run_as(NOBODY, [PYTHON, "-c", PEER_CLIENT, str(daemon.socket), str(PROTOCOL_VERSION)],
                   keep_dac_override=False)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -146,7 +147,7 @@ def test_client_refuses_shared_directory(daemon: RawDaemon, mode: int) -> None:
 
 def test_client_refuses_socket_owned_by_another_user(daemon: RawDaemon) -> None:
     if os.geteuid() != 0:
-        pytest.skip("chown to another uid needs root")
+        skip_privileged("chown to another uid needs root")
     os.chown(daemon.socket, NOBODY, NOBODY, follow_symlinks=False)
     try:
         _client_refuses(daemon.socket_dir, f"owned by uid {NOBODY}")
@@ -157,7 +158,7 @@ def test_client_refuses_socket_owned_by_another_user(daemon: RawDaemon) -> None:
 
 def test_client_refuses_directory_owned_by_another_user(daemon: RawDaemon) -> None:
     if os.geteuid() != 0:
-        pytest.skip("chown to another uid needs root")
+        skip_privileged("chown to another uid needs root")
     os.chown(daemon.socket_dir, NOBODY, NOBODY)
     try:
         _client_refuses(daemon.socket_dir, f"owned by uid {NOBODY}")
@@ -224,7 +225,7 @@ def test_daemon_refuses_shared_socket_root(ckpt: Path, tmp_path: Path) -> None:
 
 def test_daemon_refuses_directory_owned_by_another_user(ckpt: Path, tmp_path: Path) -> None:
     if os.geteuid() != 0:
-        pytest.skip("chown to another uid needs root")
+        skip_privileged("chown to another uid needs root")
     rc, err, sdir = _daemon_in(ckpt, tmp_path, lambda root, sdir: os.chown(sdir, NOBODY, NOBODY))
     assert rc != 0 and f"owned by uid {NOBODY}" in err, err
     _no_socket_served(sdir)
@@ -251,7 +252,7 @@ def test_daemon_refuses_symlinked_socket(ckpt: Path, tmp_path: Path) -> None:
 
 def test_daemon_refuses_socket_owned_by_another_user(ckpt: Path, tmp_path: Path) -> None:
     if os.geteuid() != 0:
-        pytest.skip("chown to another uid needs root")
+        skip_privileged("chown to another uid needs root")
 
     def prepare(root: Path, sdir: Path) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

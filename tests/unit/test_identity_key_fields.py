@@ -16,9 +16,9 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from vllm_key_fields import from_wheel
 
 from preload.identity.key import WeightCacheKey
-from tests.unit.vllm_key_fields import from_wheel
 
 pytestmark = pytest.mark.unit
 

@@ -9,6 +9,10 @@
 - Stats are issued concurrently: a barrier that every stat must reach
   before any returns passes; the control (the same stats one after another)
   breaks it.
+- ``stat_all``: results in input order whatever order the stats finish in,
+  per-path OSError as values, 0 paths and more than MAX_STATS_IN_FLIGHT,
+  parked workers reused (and a stop honoured), a forked child, a thread
+  that cannot start; one in-place edit among 1,000 shards is caught.
 """
 
 from __future__ import annotations
@@ -121,25 +125,191 @@ def test_stats_are_in_flight_together(tmp_path, monkeypatch):
         [FileStat.of(f) for f in files]
 
 
-def test_in_flight_stats_are_bounded(tmp_path, monkeypatch):
-    monkeypatch.setattr(manifest_mod, "MAX_STATS_IN_FLIGHT", 3)
-    files = [tmp_path / f"f{i}" for i in range(20)]
-    for f in files:
-        f.write_bytes(b"x")
+# -- stat_all: order, errors, sizes, reuse ------------------------------------------
+
+
+@pytest.fixture
+def quick_idle(monkeypatch):
+    """Parked stat workers leave after 0.2 s idle, so a test leaves no threads behind."""
+    monkeypatch.setattr(manifest_mod, "STAT_WORKER_IDLE_S", 0.2)
+    yield
+    manifest_mod.stop_stat_workers()
+
+
+def _fake_stat(i: int) -> FileStat:
+    return FileStat(size=i, mtime_ns=i, ctime_ns=i, ino=i, dev=0)
+
+
+def test_stat_all_keeps_input_order_when_completion_is_reversed(monkeypatch, quick_idle):
+    """Stat i returns only after stat i+1 has: completion order is the reverse
+    of the input, and the results are still in input order."""
+    n = 40
+    finished = [threading.Event() for _ in range(n + 1)]
+    finished[n].set()
+    completion = []
+
+    def chained(cls, path):
+        i = int(os.fspath(path))
+        assert finished[i + 1].wait(20), "stats are not all in flight together"
+        completion.append(i)
+        finished[i].set()
+        return _fake_stat(i)
+
+    monkeypatch.setattr(FileStat, "of", classmethod(chained))
+    out = stat_all([str(i) for i in range(n)])
+    assert [r.size for r in out] == list(range(n))
+    # Control: completion really was out of order, so in-order results are not luck.
+    assert completion == list(range(n - 1, -1, -1))
+
+
+def test_stat_all_turns_oserror_into_values(tmp_path, quick_idle):
+    present = tmp_path / "present"
+    present.write_bytes(b"x")
+    out = stat_all([present, tmp_path / "missing", present / "under-a-file", tmp_path])
+    assert isinstance(out[0], FileStat) and out[0].size == 1
+    assert isinstance(out[1], FileNotFoundError) and out[1].filename == str(tmp_path / "missing")
+    assert isinstance(out[2], NotADirectoryError)
+    assert isinstance(out[3], FileStat) and out[3] == FileStat.of(tmp_path)
+
+
+def test_stat_all_raises_other_errors_and_its_workers_survive(tmp_path, quick_idle):
+    with pytest.raises(ValueError, match="null"):
+        stat_all([tmp_path, "bad\0path", tmp_path])
+    assert all(isinstance(r, FileStat) for r in stat_all([tmp_path] * 5))
+
+
+def test_stat_all_of_nothing_starts_nothing(monkeypatch):
+    import _thread
+
+    started = []
+    monkeypatch.setattr(_thread, "start_new_thread", lambda *a: started.append(a))
+    assert stat_all([]) == []
+    assert started == []
+
+
+@pytest.mark.parametrize("limit", [3, None], ids=["patched-limit", "real-limit"])
+def test_stat_all_beyond_the_in_flight_limit(monkeypatch, quick_idle, limit):
+    """More paths than MAX_STATS_IN_FLIGHT (real: 1,024; a cheap fake stat, no
+    files): every result, in order, and never more than the limit in flight."""
+    if limit is not None:
+        monkeypatch.setattr(manifest_mod, "MAX_STATS_IN_FLIGHT", limit)
+    cap = manifest_mod.MAX_STATS_IN_FLIGHT
+    n = cap + 7
     lock, now, peak = threading.Lock(), [0], [0]
-    real = FileStat.of.__func__
 
     def counted(cls, path):
         with lock:
             now[0] += 1
             peak[0] = max(peak[0], now[0])
         try:
-            threading.Event().wait(0.01)
-            return real(cls, path)
+            threading.Event().wait(0.001)
+            return _fake_stat(int(path))
         finally:
             with lock:
                 now[0] -= 1
 
     monkeypatch.setattr(FileStat, "of", classmethod(counted))
-    assert len(stat_all(files)) == 20
-    assert 1 <= peak[0] <= 3
+    out = stat_all([str(i) for i in range(n)])
+    assert [r.size for r in out] == list(range(n))
+    assert 1 <= peak[0] <= cap
+
+
+def test_parked_workers_are_reused_and_leave_when_idle(tmp_path, monkeypatch, quick_idle):
+    import _thread
+
+    manifest_mod.stop_stat_workers()
+    real_start = _thread.start_new_thread
+    started = []
+
+    def counting(fn, args):
+        started.append(fn)
+        return real_start(fn, args)
+
+    monkeypatch.setattr(_thread, "start_new_thread", counting)
+    monkeypatch.setattr(manifest_mod, "STAT_WORKER_IDLE_S", 30.0)
+    files = [tmp_path] * 12
+    stat_all(files)
+    assert len(started) == 12, "a cold call starts one worker per stat"
+    stat_all(files)
+    assert len(started) == 12, "a second call wakes the parked workers"
+    assert manifest_mod.stop_stat_workers() == 0
+    stat_all(files)
+    assert len(started) == 24, "control: after a stop the next call starts its own again"
+    monkeypatch.setattr(manifest_mod, "STAT_WORKER_IDLE_S", 0.05)
+    manifest_mod.stop_stat_workers()
+    assert manifest_mod.start_stat_workers(4) == 4
+    # Idle workers leave on their own (this waits; it asserts no duration).
+    for _ in range(400):
+        if manifest_mod._workers.parked() == 0:
+            break
+        threading.Event().wait(0.05)
+    assert manifest_mod._workers.parked() == 0
+
+
+def test_stat_all_works_in_a_forked_child(tmp_path, quick_idle):
+    """The parent's parked workers do not exist in a child; the child starts its own."""
+    import signal
+
+    stat_all([tmp_path] * 4)
+    assert manifest_mod._workers.parked() > 0
+    pid = os.fork()
+    if pid == 0:  # child: a hang is killed by the alarm, not waited on forever
+        signal.alarm(20)
+        ok = all(isinstance(r, FileStat) for r in stat_all([tmp_path] * 4))
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _thousand_shards(tmp_path):
+    """A manifest of 1,000 one-byte shards, with the stats it would record at promotion."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    names = [f"model-{k + 1:05d}-of-01000.safetensors" for k in range(1000)]
+    for name in names:
+        (ckpt / name).write_bytes(b"x")
+    (ckpt / "model.safetensors.index.json").write_text("{}")
+    records = tuple(manifest_mod.ShardRecord(n, 1, "0" * 64, FileStat.of(ckpt / n)) for n in names)
+    return ckpt, manifest_mod.Manifest(
+        checkpoint=str(ckpt), digest="0" * 64, config_digest=None, shards=records,
+        index_stat=FileStat.of(ckpt / "model.safetensors.index.json"), dir_stat=FileStat.of(ckpt))
+
+
+@pytest.mark.parametrize("limit", [None, 64], ids=["one-round", "strided"])
+def test_one_stale_shard_among_1000_is_caught(tmp_path, monkeypatch, quick_idle, limit):
+    if limit is not None:
+        monkeypatch.setattr(manifest_mod, "MAX_STATS_IN_FLIGHT", limit)
+    ckpt, man = _thousand_shards(tmp_path)
+    # Control: the untouched checkpoint is not stale, so a hit below is the edit.
+    assert manifest_mod.stale_reason(ckpt, man) is None
+    victim = ckpt / man.shards[737].name
+    st = os.stat(victim)
+    with open(victim, "r+b") as f:  # in place, same size, mtime restored: only ctime tells
+        f.write(b"y")
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    reason, shard = manifest_mod.stale_reason(ckpt, man)
+    assert shard == victim.name and "ctime_ns" in reason
+
+
+def test_a_thread_that_cannot_start_leaves_no_stat_undone(tmp_path, monkeypatch, quick_idle):
+    """When the process runs out of threads part-way through starting
+    workers, the remaining stats run in turn in the caller rather than never."""
+    import _thread
+
+    manifest_mod.stop_stat_workers()
+    real_start = _thread.start_new_thread
+    budget = [5]
+
+    def scarce(fn, args):
+        if budget[0] == 0:
+            raise RuntimeError("can't start new thread")
+        budget[0] -= 1
+        return real_start(fn, args)
+
+    monkeypatch.setattr(_thread, "start_new_thread", scarce)
+    files = [tmp_path / f"f{i}" for i in range(20)]
+    for i, f in enumerate(files):
+        f.write_bytes(b"x" * i)
+    out = stat_all(files)
+    assert [r.size for r in out] == list(range(20))
+    assert budget[0] == 0, "control: thread starts did run out part-way"

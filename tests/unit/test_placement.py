@@ -60,11 +60,12 @@ def test_dry_run_prints_the_plan_and_loads_nothing(tmp_path):
 
     ckpt = write_tiny(tmp_path / "ckpt")
     out = subprocess.run(
-        [sys.executable, "-m", "preload_gate.cli", "preload", str(ckpt), "-tp", "4", "--nnodes", "2",
+        # (tp 2: the tiny model's 2 heads refuse tp 4, as vLLM would)
+        [sys.executable, "-m", "preload_gate.cli", "preload", str(ckpt), "-tp", "2", "-dp", "2", "--nnodes", "2",
          "--node-rank", "1", "--identity", "full", "--socket-root", str(tmp_path / "s"), "--dry-run", "--json"],
         capture_output=True, text=True, check=True, env={"PRELOAD_GATE_CACHE": str(tmp_path / "c"), "PATH": ""},
     )
     plan = json.loads(out.stdout)
-    assert [(r["global_rank"], r["tp_rank"]) for r in plan["ranks"]] == [(2, 2), (3, 3)]
+    assert [(r["global_rank"], r["dp_rank"], r["tp_rank"]) for r in plan["ranks"]] == [(2, 1, 0), (3, 1, 1)]
     assert plan["stage"] == "loaded" and plan["transport"] == "shm" and plan["expected_digest"] is None
     assert not (tmp_path / "s").exists()  # nothing created

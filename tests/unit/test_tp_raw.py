@@ -115,12 +115,13 @@ def test_tp2_ranks_hold_their_slices_and_decode_like_from_pretrained_tp2(ckpt, r
 
 @pytest.mark.parametrize("case", ["missing", "mismatched"])
 def test_a_bad_rank_fails_the_whole_start_or_falls_back_by_rank(case, ckpt, root, tmp_path) -> None:
-    # Rank 0 only (one node of two); "mismatched": rank 1's socket is a -tp 4 daemon's rank 1.
+    # Rank 0 only (one node of two); "mismatched": rank 1's socket is the rank 1 of a
+    # -tp 1 -dp 2 daemon (whole tensors; the model's 2 heads allow no tp above 2).
     daemons = [_daemon(ckpt, root, tmp_path, "-tp", "2", "--nnodes", "2", "--node-rank", "0")]
     try:
         if case == "mismatched":
-            daemons.append(_daemon(ckpt, root, tmp_path, "-tp", "4", "--nnodes", "4", "--node-rank", "1"))
-        want_fields = ["tp_rank"] if case == "missing" else ["tp_size"]
+            daemons.append(_daemon(ckpt, root, tmp_path, "-tp", "1", "-dp", "2", "--nnodes", "2", "--node-rank", "1"))
+        want_fields = ["tp_rank"] if case == "missing" else ["tp_size", "tp_rank"]
         off = run_tp2(ckpt, daemons[0], tmp_path / "off.jsonl", fallback=False)
         assert off[0]["event"] == off[1]["event"] == "error", off
         assert "rank 1" in off[1]["error"] and "fallback is off" in off[1]["error"]

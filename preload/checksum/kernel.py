@@ -1,4 +1,4 @@
-"""The Triton kernel behind ``preload.checksum`` (see its docstring for the math).
+"""The Triton kernel behind ``preload.checksum`` (the math: :mod:`preload.checksum.scheme`).
 
 Kept in its own module, at module level and without
 ``from __future__ import annotations``: Triton resolves names through the

@@ -1,0 +1,88 @@
+"""The ``verified_cache`` loader's extra config (``--model-loader-extra-config``).
+
+Parsed and checked without vLLM, so a bad key or value is one named error
+before any engine work; unknown keys are an error. The UNSAFE negative
+controls (``unsafe_identity``, ``unsafe_silent_fallback``) are refused
+unless the test-only switch in :mod:`preload.trust` is set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from preload.errors import PreloadGateError
+from preload.trust import UNSAFE_CONTROLS_ENV, unsafe_controls_allowed
+
+LOAD_FORMAT = "verified_cache"
+MODES = ("zero_copy", "copy")
+IDENTITIES = ("stat", "pinned", "full")
+
+
+class LoaderConfigError(PreloadGateError):
+    """The loader's extra config is malformed."""
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    socket_root: str | None = None
+    socket_dir: str | None = None
+    mode: str = "zero_copy"
+    fallback: bool = True
+    identity: str = "stat"
+    expected_digest: str | None = None
+    # None: on where an engine can write into the daemon's arena (CUDA:
+    # zero-copy maps the daemon's own memory), off for sealed shm arenas.
+    verify_resident: bool | None = None
+    events_file: str | None = None
+    connect_timeout_s: float = 5.0
+    state_timeout_s: float = 300.0
+    unsafe_identity: str | None = None
+    unsafe_silent_fallback: bool = False
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> LoaderOptions:
+        extra = dict(extra or {})
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - set(names))
+        if unknown:
+            raise LoaderConfigError(
+                f"unknown {LOAD_FORMAT} extra config keys: {unknown} (known: {', '.join(sorted(names))})"
+            )
+        for k in ("fallback", "verify_resident", "unsafe_silent_fallback"):
+            if k in extra and not isinstance(extra[k], bool):
+                raise LoaderConfigError(f"{LOAD_FORMAT} extra config {k!r} must be true or false")
+        for k in ("connect_timeout_s", "state_timeout_s"):
+            if k in extra:
+                if isinstance(extra[k], bool) or not isinstance(extra[k], (int, float)) or extra[k] <= 0:
+                    raise LoaderConfigError(f"{LOAD_FORMAT} extra config {k!r} must be a positive number")
+                extra[k] = float(extra[k])
+        for k in ("socket_root", "socket_dir", "expected_digest", "events_file", "unsafe_identity"):
+            if extra.get(k) is not None and not isinstance(extra[k], str):
+                raise LoaderConfigError(f"{LOAD_FORMAT} extra config {k!r} must be a string")
+        opts = cls(**extra)
+        if opts.mode not in MODES:
+            raise LoaderConfigError(f"{LOAD_FORMAT} mode {opts.mode!r} is not one of {', '.join(MODES)}")
+        if opts.identity not in IDENTITIES:
+            raise LoaderConfigError(f"{LOAD_FORMAT} identity {opts.identity!r} is not one of {', '.join(IDENTITIES)}")
+        if opts.identity == "pinned" and not opts.expected_digest:
+            raise LoaderConfigError(f"{LOAD_FORMAT} identity 'pinned' needs expected_digest")
+        if opts.expected_digest is not None and not _is_sha256_hex(opts.expected_digest):
+            raise LoaderConfigError(
+                f"{LOAD_FORMAT} expected_digest must be 64 hex characters (the digest printed by "
+                f"preload-gate promote), got {opts.expected_digest[:80]!r}")
+        if opts.unsafe_identity not in (None, "header_only"):
+            raise LoaderConfigError(f"{LOAD_FORMAT} unsafe_identity must be 'header_only'")
+        for name, on in (("unsafe_identity", opts.unsafe_identity is not None),
+                         ("unsafe_silent_fallback", opts.unsafe_silent_fallback)):
+            if on and not unsafe_controls_allowed():
+                raise LoaderConfigError(
+                    f"{LOAD_FORMAT} extra config {name!r} is a negative control for tests only; it is "
+                    f"refused unless {UNSAFE_CONTROLS_ENV}=1 is set (never in production)")
+        return opts
+
+
+def _is_sha256_hex(value: str) -> bool:
+    return len(value) == 64 and all(c in "0123456789abcdefABCDEF" for c in value)
+
