@@ -123,6 +123,10 @@ class DaemonProcess:
                 break
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline:
+                # Reap the leader first: an unreaped (zombie) leader keeps its
+                # group alive for killpg(pid, 0), so the loop would wait out
+                # the whole deadline after a clean exit.
+                self.proc.poll()
                 try:
                     os.killpg(self.proc.pid, 0)
                 except ProcessLookupError:

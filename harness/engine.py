@@ -185,6 +185,7 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
             return
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
+            proc.poll()  # an unreaped leader keeps the group alive for killpg(pid, 0)
             try:
                 os.killpg(proc.pid, 0)
             except ProcessLookupError:
