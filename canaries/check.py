@@ -54,6 +54,11 @@ class ReplicaFailure(Exception):
         self.retryable = retryable
 
 
+# The reasons that mean the replica answered and its answers differ from the
+# golden's (as opposed to a replica that could not be asked or judged).
+ANSWER_MISMATCH = frozenset({"token_mismatch", "logprob_drift"})
+
+
 @dataclass
 class ReplicaResult:
     """The verdict for one replica.

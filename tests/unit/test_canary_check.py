@@ -385,6 +385,15 @@ def test_unkeyed_golden_never_blames_the_weights(replicas, tmp_path: Path, capsy
     assert len(err) == 1 and "cannot judge" in err[0] and "canary record" in err[0]
     # Control: the keyed golden against the same wrong replica is a real failure.
     assert cli_main(base + ["--base-url", bad.url, "--golden", str(keyed)]) == 1
+    # Failures that are not differing answers are failures whatever the golden
+    # records (r06: a router's own /version; a replica nobody answers for):
+    # exit 1 with the replica's reason, never "cannot judge ... answers differ".
+    capsys.readouterr()
+    old_vllm = replicas("version")
+    assert cli_main(base + ["--base-url", old_vllm.url, "--golden", str(unkeyed)]) == 1
+    assert "cannot judge" not in capsys.readouterr().err
+    assert cli_main(base + ["--base-url", "http://127.0.0.1:9", "--golden", str(unkeyed)]) == 1
+    assert "cannot judge" not in capsys.readouterr().err
 
 
 def test_cli_exit_codes(replicas, tmp_path: Path, capsys) -> None:
