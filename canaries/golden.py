@@ -39,7 +39,7 @@ from canaries.prompts import DEFAULT_PROMPTS
 from preload import _atomic
 from preload.deployment import DeploymentSettings, SettingsError, answer_identity
 from preload.identity.digest import checkpoint_digest, hash_shards
-from preload.identity.manifest import FileStat
+from preload.identity.filestat import FileStat
 from preload.identity.shards import shard_paths
 
 FORMAT = "preload-gate-golden/1"

@@ -53,7 +53,7 @@ from harness.bench.remote_fs import IOCounts, RemoteFS
 from preload import _atomic
 from preload.identity import anchors
 from preload.identity.digest import checkpoint_digest, hash_shards
-from preload.identity.manifest import start_stat_workers, stop_stat_workers
+from preload.identity.filestat import start_stat_workers, stop_stat_workers
 from preload.identity.shards import INDEX_NAME
 from preload.promote import promote
 
