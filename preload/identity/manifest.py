@@ -39,10 +39,10 @@ from typing import Any
 
 from preload import _atomic, trust
 from preload.errors import CheckpointError, ManifestError, WriteError
-from preload.identity.digest import checkpoint_digest, hash_shards
+from preload.identity.digest import checkpoint_digest, content_digest, hash_shards
 from preload.identity.fileset import select_files, servable
 from preload.identity.filestat import FileStat, stat_all
-from preload.identity.shards import INDEX_NAME, check_unique_tensors, read_header, shard_paths
+from preload.identity.shards import INDEX_NAME, check_unique_tensors, read_header
 
 MANIFEST_VERSION = 2
 MODES = ("stat", "pinned", "full")
@@ -340,5 +340,4 @@ def resolve_digest(
                 shard,
             )
         return Resolution(manifest.digest, mode, "manifest")
-    digests = hash_shards(shard_paths(checkpoint), progress=False)
-    return Resolution(checkpoint_digest(digests), mode, "rehashed")
+    return Resolution(content_digest(checkpoint), mode, "rehashed")
