@@ -34,13 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fixtures.schemes import SAMPLE_BYTES, SCHEMES
 from preload.errors import CheckpointError
 from preload.identity.digest import content_digest
 from preload.identity.manifest import resolve_digest
 from preload.identity.shards import INDEX_NAME, read_header, shard_paths
 
-SCHEMES = ("header_only", "sampled_1k", "path_stat", "realpath", "content")
-SAMPLE_BYTES = 1024
 HEADER_IMPLS = ("auto", "vllm", "reimpl")
 CONTENT_MODES = ("full", "stat", "pinned")
 
