@@ -102,7 +102,8 @@ def _check(args: argparse.Namespace) -> int:
     from canaries import claims as claim_sources
 
     try:
-        from canaries.check import ANSWER_MISMATCH, check
+        from canaries.check import check
+        from canaries.replica import ANSWER_MISMATCH
     except ModuleNotFoundError as exc:
         if exc.name != "openai":
             raise

@@ -38,8 +38,8 @@ from canaries.errors import GoldenError
 from canaries.prompts import DEFAULT_PROMPTS
 from preload import _atomic
 from preload.deployment import DeploymentSettings, SettingsError, answer_identity
-from preload.identity.digest import checkpoint_digest, hash_shards
-from preload.identity.manifest import FileStat
+from preload.identity.digest import content_digest
+from preload.identity.filestat import FileStat
 from preload.identity.shards import shard_paths
 
 FORMAT = "preload-gate-golden/1"
@@ -211,11 +211,6 @@ def load_golden(path: str | os.PathLike[str]) -> Golden:
 
 def _shard_stats(checkpoint: Path) -> dict[str, FileStat]:
     return {p.name: FileStat.of(p) for p in shard_paths(checkpoint)}
-
-
-def content_digest(checkpoint: str | os.PathLike[str]) -> str:
-    """The checkpoint digest, hashed now from every byte (no manifest trusted)."""
-    return checkpoint_digest(hash_shards(shard_paths(checkpoint), progress=False))
 
 
 def record(

@@ -13,14 +13,18 @@ children behind on CPU).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,6 +136,40 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     env.update(spec.env)
     return env
+
+
+class CorePool:
+    """The cores engines run on when several run side by side.
+
+    vLLM's CPU worker pins its OpenMP threads to one core (core 0 unless
+    told otherwise): engines run side by side only on different cores. With
+    ``jobs`` > 1 each single-rank engine is bound to a core of its own while
+    it runs (``VLLM_CPU_OMP_THREADS_BIND``), unless the caller's environment
+    already binds them.
+
+    >>> pool = CorePool(jobs=2)
+    >>> with pool.pinned(EngineSpec(checkpoint="/models/tiny")) as spec:  # doctest: +SKIP
+    ...     run_engine(spec, "/tmp/run1")
+    """
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs = max(1, jobs)
+        self._free: queue.Queue[str] = queue.Queue()
+        for c in sorted(os.sched_getaffinity(0))[: self.jobs]:
+            self._free.put(str(c))
+
+    @contextlib.contextmanager
+    def pinned(self, spec: EngineSpec, env: Mapping[str, str] | None = None) -> Iterator[EngineSpec]:
+        """Take a free core (waiting for one) and yield ``spec`` with ``env``
+        and the core binding added; the core is free again on exit."""
+        core = self._free.get()
+        try:
+            extra = dict(env or {})
+            if self.jobs > 1 and spec.tensor_parallel_size == 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                extra["VLLM_CPU_OMP_THREADS_BIND"] = core
+            yield dataclasses.replace(spec, env={**spec.env, **extra}) if extra else spec
+        finally:
+            self._free.put(core)
 
 
 # Engines this process runs now, so that a gate told to stop (SIGTERM) can

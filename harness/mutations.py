@@ -41,6 +41,11 @@ class EngineSettings:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
 
+    def to_json(self) -> dict[str, Any]:
+        """The settings as engine-spec keywords (and a report's settings column)."""
+        return {"dtype": self.dtype, "tensor_parallel_size": self.tensor_parallel_size,
+                "data_parallel_size": self.data_parallel_size}
+
 
 BASE_SETTINGS = EngineSettings()
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,8 +38,10 @@ from preload.extras import ExtraMissingError, ModuleLoadError, import_for
 # today: rows import vLLM or triton when they run).
 ROW_MODULES: dict[str, str] = {
     "harness.bench.identity": "",
+    "harness.bench.hashing": "",
     "harness.bench.daemon": "",
     "harness.bench.gpu": "",
+    "harness.bench.gpu_daemon": "",
     "harness.bench.gate": "",
     "harness.bench.load": "",
     "harness.bench.preflight": "",
@@ -253,3 +257,16 @@ def parse_size(text: str) -> int:
 
 def default_workdir() -> Path:
     return Path(os.environ.get("PRELOAD_GATE_BENCH_DIR") or os.environ.get("TMPDIR") or "/tmp")
+
+
+def scratch(options: BenchOptions, prefix: str) -> Path:
+    """A new scratch directory under the bench workdir; the row removes it."""
+    base = options.workdir or default_workdir()
+    base.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+def progress(text: str) -> None:
+    """One line per step on a terminal; rows can take a minute at 50 ms a round trip."""
+    if sys.stderr.isatty():
+        print(text, file=sys.stderr, flush=True)

@@ -187,7 +187,7 @@ def _weight_bytes(ckpt: Path) -> int:
 
 @bench_row("daemon_peak_memory", "daemon peak memory as a multiple of weight bytes")
 def daemon_peak_memory(options: BenchOptions) -> list[BenchResult]:
-    from harness.bench.identity import write_synthetic
+    from harness.bench.synthetic import write_synthetic
 
     work = Path(tempfile.mkdtemp(prefix="pg-bench-m-", dir=options.workdir or default_workdir()))
     root = Path(tempfile.mkdtemp(prefix="pg-b-", dir="/tmp"))

@@ -16,11 +16,8 @@ Rows (each needs a CUDA device; without one a row reports "not run"):
   bytes; the torch reference path of the same checksum must agree. The
   kernel's shape is the code's default (``scripts/checksum_sweep.py``
   tunes it).
-- ``gpu_daemon_attach``: end to end through a real daemon (``preload-gate
-  preload --stage raw --transport cuda``) holding a synthetic checkpoint of
-  ``--size`` bytes: connect, hello, get_state, attach, verify_resident,
-  against loading the same checkpoint from disk (page cache warm) with
-  ``safetensors.torch.load_file(device="cuda")``.
+- ``gpu_daemon_attach`` (:mod:`harness.bench.gpu_daemon`): end to end
+  through a real daemon.
 
 Figures are medians of ``reps`` runs in one process; CUDA work is
 synchronised before each clock read.
@@ -30,37 +27,28 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from harness.bench import BenchOptions, BenchResult, Figure, bench_row, default_workdir
+from harness.bench import (
+    BenchOptions,
+    BenchResult,
+    Figure,
+    bench_row,
+    missing,
+    not_run,
+)
 
 _DEFAULT_TENSORS = 320
 
 
-def _cuda_ready() -> str | None:
-    """None when a CUDA device is usable, else why not."""
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible"
-    return None
-
-
-def _not_run(row: str, title: str, why: str) -> list[BenchResult]:
-    return [BenchResult(
-        row=row, title=title, anchor=Figure("not run", 0.0, ""), ours=Figure("not run", 0.0, ""),
-        ratio=None, ratio_meaning="", notes=f"not run: {why}", details={"not_run": why},
-    )]
+def gpu_params(options: BenchOptions) -> tuple[int, int]:
+    """``(tensors, reps)`` from the row's ``--param`` values."""
+    return int(options.param("tensors", str(_DEFAULT_TENSORS))), int(options.param("reps", "7"))
 
 
 def synthetic_specs(total_bytes: int, tensors: int) -> list[tuple[str, Any, tuple[int, ...], str]]:
@@ -86,7 +74,7 @@ def _fill_random(views: dict[str, Any], seed: int = 0) -> None:
         flat.random_(-(1 << 15), (1 << 15) - 1, generator=gen)
 
 
-def _median_ms(samples: list[float]) -> float:
+def median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
@@ -137,16 +125,15 @@ def _time_attach(desc: dict[str, Any], layout: Any) -> tuple[float, Any]:
            needs="cuda", heavy="8 GB of GPU memory, twice")
 def gpu_attach(options: BenchOptions) -> list[BenchResult]:
     title = "attach over CUDA IPC: one arena handle vs one handle per tensor"
-    why = _cuda_ready()
+    why = missing("cuda")
     if why:
-        return _not_run("gpu_attach", title, why)
+        return [not_run("gpu_attach", title, why)]
     import torch
 
     from preload.checksum import checksum_tensors, verify_resident
     from preload.transports.base import Layout
 
-    tensors = int(options.param("tensors", str(_DEFAULT_TENSORS)))
-    reps = int(options.param("reps", "7"))
+    tensors, reps = gpu_params(options)
     torch.cuda.init()
     torch.empty(1, device="cuda")
     proc = subprocess.Popen(
@@ -206,16 +193,16 @@ def gpu_attach(options: BenchOptions) -> list[BenchResult]:
     return [
         BenchResult(
             row="gpu_attach", title=f"{title} ({gib:.1f} GiB, {len(layout.entries)} tensors)",
-            anchor=Figure("one handle per tensor", _median_ms(parts_s), "ms"),
-            ours=Figure("one arena", _median_ms(arena_s), "ms"),
+            anchor=Figure("one handle per tensor", median_ms(parts_s), "ms"),
+            ours=Figure("one arena", median_ms(arena_s), "ms"),
             ratio=statistics.median(parts_s) / statistics.median(arena_s), ratio_meaning="faster",
             target="arena < 10 ms", details=common,
             notes="median over reps, alternating order; across processes",
         ),
         BenchResult(
             row="gpu_attach", title=f"verify_resident overhead on that attach ({gib:.1f} GiB)",
-            anchor=Figure("attach", _median_ms(arena_s), "ms"),
-            ours=Figure("attach + verify", _median_ms(both_s), "ms"),
+            anchor=Figure("attach", median_ms(arena_s), "ms"),
+            ours=Figure("attach + verify", median_ms(both_s), "ms"),
             ratio=statistics.median(verify_s) * 1e3, ratio_meaning="ms added by verify (median)",
             target="verify < 5 ms, attach+verify < 15 ms", details=common,
             notes="Triton checksum over the whole arena, compiled before timing",
@@ -249,9 +236,9 @@ def _copy_times(src: Any, reps: int) -> list[float]:
 @bench_row("gpu_checksum", "resident checksum throughput: one Triton launch vs naive torch", needs="cuda")
 def gpu_checksum(options: BenchOptions) -> list[BenchResult]:
     title = "resident-weight checksum throughput"
-    why = _cuda_ready()
+    why = missing("cuda")
     if why:
-        return _not_run("gpu_checksum", title, why)
+        return [not_run("gpu_checksum", title, why)]
     import torch
 
     from preload import checksum as ck
@@ -259,8 +246,7 @@ def gpu_checksum(options: BenchOptions) -> list[BenchResult]:
     from preload.transports.base import Layout
     from preload.transports.cuda import ARENA, CudaTransport
 
-    tensors = int(options.param("tensors", str(_DEFAULT_TENSORS)))
-    reps = int(options.param("reps", "7"))
+    tensors, reps = gpu_params(options)
     layout = Layout.plan(synthetic_specs(options.size_bytes, tensors))
     arena = CudaTransport(0, ARENA).create(layout)
     views = arena.views()
@@ -310,109 +296,6 @@ def gpu_checksum(options: BenchOptions) -> list[BenchResult]:
                f"whole call with a new layout object (plan built) {cold_tbps:.2f} TB/s; shape tile={shape.tile} "
                f"iters={shape.iters} warps={shape.warps}; backends agree: {same}; torch reference "
                f"(same math) {ref_tbps:.3f} TB/s; d2d copy {copy_tbps:.2f} TB/s (read+write)"),
-    )]
-
-
-# -- end to end through the daemon -----------------------------------------------------
-
-
-def _start_daemon(ckpt: Path, root: Path) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "preload_gate", "preload", str(ckpt), "--stage", "raw", "--transport", "cuda",
-         "--identity", "full", "--socket-root", str(root)],
-        stdout=subprocess.PIPE, text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"daemon exited with {proc.wait()} before it was ready")
-    return proc, json.loads(line)
-
-
-@bench_row("gpu_daemon_attach", "engine restart through the daemon: attach+verify vs disk load", needs="cuda")
-def gpu_daemon_attach(options: BenchOptions) -> list[BenchResult]:
-    title = "restart through the daemon (connect, get_state, attach, verify) vs safetensors load to GPU"
-    why = _cuda_ready()
-    if why:
-        return _not_run("gpu_daemon_attach", title, why)
-    import torch
-    from safetensors.torch import load_file
-
-    from harness.bench.identity import write_synthetic
-    from preload.checksum import verify_resident
-    from preload.client import DaemonClient
-    from preload.daemon.raw import raw_key
-    from preload.identity.shards import shard_paths
-
-    tensors = int(options.param("tensors", str(_DEFAULT_TENSORS)))
-    reps = int(options.param("reps", "7"))
-    shards = max(1, min(8, tensors // 40))
-    work = Path(tempfile.mkdtemp(prefix="pg-gpu-", dir=options.workdir or default_workdir()))
-    root = work / "sockets"
-    root.mkdir(mode=0o700)
-    try:
-        ckpt = work / "ckpt"
-        t0 = time.perf_counter()
-        write_synthetic(ckpt, shards, options.size_bytes // shards, tensors_per_shard=tensors // shards, seed=3)
-        write_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        daemon, ready = _start_daemon(ckpt, root)
-        daemon_start_s = time.perf_counter() - t0
-        try:
-            torch.cuda.init()
-            torch.empty(1, device="cuda")
-            key = raw_key(ckpt, ready["digest"], "cuda")
-            samples, attach_only, verify_only, connect_only, state_only = [], [], [], [], []
-            for r in range(reps + 1):
-                t0 = time.perf_counter()
-                client = DaemonClient.connect(ready["socket_dir"], 0)
-                tc = time.perf_counter()
-                state = client.get_state(key)
-                ts = time.perf_counter()
-                att = state.attach()
-                torch.cuda.synchronize()
-                t1 = time.perf_counter()
-                verify_resident(att.tensors, state.layout, getattr(state, "checksums", None) or {})
-                t2 = time.perf_counter()
-                client.close()
-                att.close()
-                del att, state
-                if r:  # the first round compiles the checksum kernel
-                    samples.append(t2 - t0)
-                    attach_only.append(t1 - t0)
-                    verify_only.append(t2 - t1)
-                    connect_only.append(tc - t0)
-                    state_only.append(ts - tc)
-            disk = []
-            paths = shard_paths(ckpt)
-            for _ in range(2):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                loaded = [load_file(str(p), device="cuda") for p in paths]
-                torch.cuda.synchronize()
-                disk.append(time.perf_counter() - t0)
-                del loaded
-        finally:
-            daemon.terminate()
-            daemon.wait(60)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    nbytes = ready["ranks"][0]["bytes"]
-    return [BenchResult(
-        row="gpu_daemon_attach",
-        title=f"{title} ({nbytes / (1 << 30):.1f} GiB, {ready['ranks'][0]['tensors']} tensors)",
-        anchor=Figure("safetensors load_file to cuda (page cache warm)", min(disk) * 1e3, "ms"),
-        ours=Figure("daemon attach + verify", _median_ms(samples), "ms"),
-        ratio=min(disk) / statistics.median(samples), ratio_meaning="faster", target="< 15 ms",
-        details={
-            "bytes": nbytes, "tensors": ready["ranks"][0]["tensors"], "e2e_ms": [s * 1e3 for s in samples],
-            "attach_ms": [s * 1e3 for s in attach_only], "verify_ms": [s * 1e3 for s in verify_only],
-            "connect_hello_ms": [s * 1e3 for s in connect_only], "get_state_ms": [s * 1e3 for s in state_only],
-            "disk_load_s": disk, "write_checkpoint_s": write_s, "daemon_start_s": daemon_start_s,
-            "daemon_load_seconds": ready["ranks"][0].get("load_seconds"),
-            "device": torch.cuda.get_device_name(0),
-        },
-        notes="fresh connection each round; daemon start includes reading and hashing every byte",
     )]
 
 

@@ -1,4 +1,4 @@
-"""Identity benchmarks: restart identity cost on remote storage, promotion hashing.
+"""Identity benchmark: restart identity cost on remote storage.
 
 ``restart_identity``: a many-shard checkpoint (66 shards by default; params
 ``shards``, ``shard_mb``, ``schemes``, ``latency_ms``) behind
@@ -22,39 +22,34 @@ as ``parked``; it is not the figure judged against the target. The
 startup heap is frozen before any clock starts (as vLLM's engine core
 does), so a full garbage collection of the imported vLLM and torch
 objects does not land in one scheme's wall at random.
-
-``promote_throughput``: ``preload.identity.digest.hash_shards`` against
-sequential ``sha256sum`` (coreutils, one process over all shards) on the
-same multi-shard checkpoint, page cache warmed first, alternating runs.
 """
 
 from __future__ import annotations
 
 import _thread
 import gc
-import json
 import os
 import resource
 import shutil
 import statistics
-import struct
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
-from fixtures.shardfile import RawTensor, write_shard
-from harness.bench import BenchError, BenchOptions, BenchResult, Figure, bench_row, default_workdir
+from harness.bench import (
+    BenchError,
+    BenchOptions,
+    BenchResult,
+    Figure,
+    bench_row,
+    progress,
+    scratch,
+)
 from harness.bench.remote_fs import IOCounts, RemoteFS
-from preload import _atomic
+from harness.bench.synthetic import write_synthetic
 from preload.identity import anchors
-from preload.identity.digest import checkpoint_digest, hash_shards
-from preload.identity.manifest import start_stat_workers, stop_stat_workers
-from preload.identity.shards import INDEX_NAME
+from preload.identity.filestat import start_stat_workers, stop_stat_workers
 from preload.promote import promote
 
 
@@ -74,66 +69,6 @@ def _cold_start() -> None:
         steady, last = (steady + 1 if now == last else 0), now
         time.sleep(0.02)
     time.sleep(0.2)  # the kernel side of thread exit (stack munmap)
-
-
-def write_synthetic(
-    out: Path, shards: int, shard_bytes: int, tensors_per_shard: int = 4, seed: int = 0
-) -> list[Path]:
-    """A checkpoint of ``shards`` files of about ``shard_bytes`` random bf16 each,
-    with an index and a config; written in chunks, so size is bounded by disk only."""
-    out.mkdir(parents=True, exist_ok=False)
-    rng = np.random.default_rng(seed)
-    per_tensor = max(2, (shard_bytes // tensors_per_shard) // 2 * 2)
-    weight_map: dict[str, str] = {}
-    paths = []
-    for k in range(shards):
-        name = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-        names = [f"model.layers.{k}.w{j}.weight" for j in range(tensors_per_shard)]
-        if per_tensor <= (64 << 20):
-            tensors = {
-                n: RawTensor("BF16", (per_tensor // 2,), rng.bytes(per_tensor)) for n in names
-            }
-            write_shard(out / name, tensors)
-        else:
-            # Large shards: write the header, then stream the data.
-            _stream_shard(out / name, names, per_tensor, rng)
-        weight_map.update({n: name for n in names})
-        paths.append(out / name)
-    _atomic.write_json(out / INDEX_NAME, {"metadata": {}, "weight_map": weight_map})
-    _atomic.write_json(out / "config.json", {"architectures": ["SyntheticForBench"]})
-    return paths
-
-
-def _stream_shard(path: Path, names: list[str], per_tensor: int, rng: np.random.Generator) -> None:
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for n in names:
-        header[n] = {"dtype": "BF16", "shape": [per_tensor // 2], "data_offsets": [offset, offset + per_tensor]}
-        offset += per_tensor
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for _ in names:
-            left = per_tensor
-            while left:
-                chunk = min(left, 64 << 20)
-                f.write(rng.bytes(chunk))
-                left -= chunk
-    os.replace(tmp, path)
-
-
-def _progress(text: str) -> None:
-    """One line per step on a terminal; rows can take a minute at 50 ms a round trip."""
-    if sys.stderr.isatty():
-        print(text, file=sys.stderr, flush=True)
-
-
-def _scratch(options: BenchOptions, prefix: str) -> Path:
-    base = options.workdir or default_workdir()
-    base.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
 # -- restart identity ------------------------------------------------------------
@@ -232,7 +167,7 @@ def restart_identity(options: BenchOptions) -> list[BenchResult]:
         raise BenchError(f"restart_identity: bad trip_shards or trip_repeats ({exc})") from None
     if repeats < 1 or any(n < 1 for n in extra):
         raise BenchError("restart_identity: trip_shards and trip_repeats must be >= 1")
-    work = _scratch(options, "pg-bench-restart-")
+    work = scratch(options, "pg-bench-restart-")
     measured: dict[tuple[float, str], tuple[IOCounts, float]] = {}
     trips: dict[tuple[int, float], dict] = {}
     load_before = os.getloadavg()
@@ -272,7 +207,7 @@ def restart_identity(options: BenchOptions) -> list[BenchResult]:
         # Same files, same process, variants back to back.
         for latency_ms, stat_ms in variants:
             for name, fn in schemes.items():
-                _progress(f"restart_identity: {name} at {latency_ms:g} ms")
+                progress(f"restart_identity: {name} at {latency_ms:g} ms")
                 if name == "content/stat":
                     _cold_start()  # as in a restarting engine
                 measured[(latency_ms, name)] = _measure(ckpt, latency_ms / 1000, stat_ms / 1000, fn)
@@ -361,95 +296,3 @@ def restart_identity(options: BenchOptions) -> list[BenchResult]:
                 )
             )
     return results
-
-
-# -- promotion hashing ----------------------------------------------------------------
-
-
-def _sha256sum(paths: list[Path]) -> tuple[dict[str, str], float]:
-    exe = shutil.which("sha256sum")
-    if exe is None:
-        raise BenchError("sha256sum (coreutils) is not on PATH")
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        [exe, *[p.name for p in paths]], cwd=paths[0].parent, capture_output=True, text=True,
-        env={**os.environ, "LC_ALL": "C"}, check=True,
-    )
-    wall = time.perf_counter() - t0
-    digests = {}
-    for line in proc.stdout.splitlines():
-        hex_, name = line.split("  ", 1)
-        digests[name] = hex_
-    return digests, wall
-
-
-def _warm(paths: list[Path]) -> None:
-    buf = bytearray(8 << 20)
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-
-
-@bench_row("promote_throughput", "promotion hashing vs sequential sha256sum (page cache warm)",
-           heavy="writes and hashes --size bytes (2 GiB by default) three times")
-def promote_throughput(options: BenchOptions) -> list[BenchResult]:
-    size = options.size_bytes
-    shards = int(options.param("hash_shards", "8"))
-    repeats = int(options.param("repeats", "3"))
-    workers = int(options.param("workers", "0")) or None
-    work = _scratch(options, "pg-bench-hash-")
-    try:
-        paths = write_synthetic(work / "ckpt", shards, size // shards, tensors_per_shard=2)
-        total = sum(p.stat().st_size for p in paths)
-        load_before = os.getloadavg()
-        _progress(f"promote_throughput: warming {total / (1 << 30):.2f} GiB of page cache")
-        _warm(paths)
-        _warm(paths)
-        coreutils, ours, ours_seq = [], [], []
-        for _ in range(repeats):
-            ref, t = _sha256sum(paths)
-            coreutils.append(t)
-            t0 = time.perf_counter()
-            got = hash_shards(paths, workers=workers, progress=False)
-            ours.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            hash_shards(paths, workers=1, progress=False)
-            ours_seq.append(time.perf_counter() - t0)
-            if got != ref:
-                raise BenchError("hash_shards and sha256sum disagree; the benchmark is void")
-        digest = checkpoint_digest(got)
-        load_after = os.getloadavg()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    c, o, s = statistics.median(coreutils), statistics.median(ours), statistics.median(ours_seq)
-    gib = total / (1 << 30)
-    return [
-        BenchResult(
-            row="promote_throughput",
-            title=f"promotion hashing, {gib:.2f} GiB in {shards} shards",
-            anchor=Figure("sequential sha256sum", gib / c, "GiB/s"),
-            ours=Figure(f"hash_shards ({workers or os.cpu_count()} threads)", gib / o, "GiB/s"),
-            ratio=c / o,
-            ratio_meaning="sha256sum wall / ours wall",
-            target=">= 1.7x on 2 cores",
-            details={
-                "bytes": total,
-                "shards": shards,
-                "repeats": repeats,
-                "sha256sum_s": coreutils,
-                "hash_shards_s": ours,
-                "hash_shards_1_thread_s": ours_seq,
-                "one_thread_ratio": c / s,
-                "thread_speedup": s / o,
-                "cpu_count": os.cpu_count(),
-                # A shared machine: other load skews the threaded figure most.
-                "loadavg_1m_before_after": [load_before[0], load_after[0]],
-                "digest": digest,
-            },
-            notes=(
-                f"median of {repeats}; of the {c / o:.2f}x, {c / s:.2f}x is one OpenSSL thread vs "
-                f"coreutils, {s / o:.2f}x is threading"
-            ),
-        )
-    ]

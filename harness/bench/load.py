@@ -128,7 +128,7 @@ def load_many(checkpoint: Path, clients: int) -> list[ClientResult]:
 
 @bench_row("attach_load", "N engines attaching to one daemon at once (CPU shm)")
 def attach_load(options: BenchOptions) -> list[BenchResult]:
-    from harness.bench.identity import write_synthetic
+    from harness.bench.synthetic import write_synthetic
     from harness.daemon_process import DaemonProcess
     from preload.promote import promote
 

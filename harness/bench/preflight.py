@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.bench import BenchOptions, BenchResult, Figure, bench_row
-from harness.bench.identity import _scratch, write_synthetic
+from harness.bench import BenchOptions, BenchResult, Figure, bench_row, scratch
+from harness.bench.synthetic import write_synthetic
 
 MIN_BYTES = 1 << 30
 
@@ -38,7 +38,7 @@ def preflight_failure(options: BenchOptions) -> list[BenchResult]:
     from preload.preflight import PreflightError, preflight_promote
 
     size = max(options.size_bytes, MIN_BYTES)
-    work = _scratch(options, "pg-bench-preflight-")
+    work = scratch(options, "pg-bench-preflight-")
     busy = socket.socket()
     sock = Path("/nonexistent")
     try:

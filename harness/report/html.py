@@ -11,7 +11,8 @@ from typing import Any
 
 import jinja2
 
-from harness.report.rows import SCHEMES, summary_rows
+from fixtures.schemes import SCHEMES
+from harness.report.rows import summary_rows
 
 # Restart phases, in order, as offsets from process start (seconds).
 PHASES = (("imported", "import vLLM"), ("ready", "load + warm up"), ("first_token", "first token"))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.report.rows import SCHEMES, summary_rows
+from fixtures.schemes import SCHEMES
+from harness.report.rows import summary_rows
 
 _MARK = {"PASS": "PASS", "BLOCK": "**BLOCK**", "NOT_RUN": "not run"}
 

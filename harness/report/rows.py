@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-SCHEMES = ("header_only", "sampled_1k", "path_stat", "realpath", "content")
-
 
 def outcome(case: dict[str, Any]) -> str:
     """The load outcome the cached engine recorded ("hit", "miss", "none", or "-" if not run)."""

@@ -22,7 +22,7 @@ from pathlib import Path
 from fixtures.binformat import BIN_NAME, bin_path, bin_transform, is_bin, to_bin
 from fixtures.mutations import copy_checkpoint
 from harness.mutations import GateCase
-from preload.identity.digest import checkpoint_digest, hash_file, hash_shards
+from preload.identity.digest import checkpoint_digest, content_digest, hash_file
 from preload.identity.shards import shard_paths
 
 # Files besides the weights that decide what an engine computes.
@@ -37,7 +37,7 @@ def weight_files(ckpt: str | os.PathLike[str]) -> list[Path]:
 def file_digest(ckpt: str | os.PathLike[str]) -> str:
     if is_bin(ckpt):
         return checkpoint_digest({BIN_NAME: hash_file(bin_path(ckpt))})
-    return checkpoint_digest(hash_shards(shard_paths(ckpt), progress=False))
+    return content_digest(ckpt)
 
 
 def values_digest(ckpt: str | os.PathLike[str], dtype: str = "bfloat16") -> str:

@@ -17,10 +17,7 @@ digest.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
-import queue
 import shutil
 import tempfile
 import time
@@ -30,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.engine import EngineResult, EngineSpec, run_engine
+from harness.engine import CorePool, EngineResult, EngineSpec, run_engine
 from harness.mutations import EngineSettings, GateCase
 from harness.results import CaseResult, GateReport
 from harness.targets.base import CacheTarget, PreparedCache
@@ -52,11 +49,6 @@ class _Case:
     cached_spec: EngineSpec | None = None
     shared_with: str = ""
     log_label: str = ""
-
-
-def _settings_json(s: EngineSettings) -> dict[str, Any]:
-    return {"dtype": s.dtype, "tensor_parallel_size": s.tensor_parallel_size,
-            "data_parallel_size": s.data_parallel_size}
 
 
 def run_target(target: CacheTarget, opts: Any, cases: list[GateCase], report: GateReport,
@@ -85,7 +77,7 @@ def run_target(target: CacheTarget, opts: Any, cases: list[GateCase], report: Ga
         items: list[_Case] = []
         for case in cases:
             res = CaseResult(case.name, case.description, case.expect, case.weights_equal,
-                             _settings_json(case.settings), NOT_RUN)
+                             case.settings.to_json(), NOT_RUN)
             items.append(_Case(case, res))
             why = target.case_unavailable(case)
             if why:
@@ -168,7 +160,7 @@ def _log_text(path: Path) -> str:
 
 def _not_run(case: GateCase, reason: str) -> CaseResult:
     return CaseResult(case.name, case.description, case.expect, case.weights_equal,
-                      _settings_json(case.settings), NOT_RUN, not_run_reason=reason)
+                      case.settings.to_json(), NOT_RUN, not_run_reason=reason)
 
 
 def _ref_keys(refs: Any, spec: EngineSpec, candidate: Path, file_dig: str, version: str | None) -> list[str]:
@@ -179,7 +171,7 @@ def _ref_keys(refs: Any, spec: EngineSpec, candidate: Path, file_dig: str, versi
 
 def _run_engines(target: CacheTarget, opts: Any, items: list[_Case], workdir: Path,
                  note: Callable[[str, str], None]) -> None:
-    from harness.gate import ReferenceCache, vllm_version
+    from harness.gate.references import ReferenceCache, vllm_version
 
     refs = ReferenceCache(opts.reference_cache)
     version = vllm_version()
@@ -204,20 +196,12 @@ def _run_engines(target: CacheTarget, opts: Any, items: list[_Case], workdir: Pa
     tasks = [("reference", k, label, spec) for k, (label, spec, _) in ref_jobs.items()]
     tasks += [("cached", k, label, spec) for k, (label, spec) in cached_jobs.items()]
     done: dict[tuple[str, str], EngineResult] = {}
-    cores: queue.Queue[str] = queue.Queue()
-    for c in sorted(os.sched_getaffinity(0))[: max(1, opts.jobs)]:
-        cores.put(str(c))
+    cores = CorePool(opts.jobs)
     env = target.child_env()
 
     def one(task: tuple[str, str, str, EngineSpec]) -> None:
-        kind, key, label, spec = task
-        core = cores.get()
-        try:
-            extra = dict(env)
-            if opts.jobs > 1 and spec.tensor_parallel_size == 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                extra["VLLM_CPU_OMP_THREADS_BIND"] = core
-            if extra:
-                spec = dataclasses.replace(spec, env={**spec.env, **extra})
+        kind, key, label, pending = task
+        with cores.pinned(pending, env) as spec:
             note("engine-start", f"{target.name} {kind} {label}")
             t0 = time.monotonic()
             worker = getattr(target, "engine_worker" if kind == "cached" else "reference_worker",
@@ -230,8 +214,6 @@ def _run_engines(target: CacheTarget, opts: Any, items: list[_Case], workdir: Pa
                     refs.put(k, result)
             note("engine-done", f"{target.name} {kind} {label} ({len(done)}/{len(tasks)}, "
                  f"{'ok' if result.ok else 'failed'}, {time.monotonic() - t0:.0f} s)")
-        finally:
-            cores.put(core)
 
     with ThreadPoolExecutor(max_workers=max(1, opts.jobs)) as pool:
         list(pool.map(one, tasks))

@@ -34,13 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fixtures.schemes import SAMPLE_BYTES, SCHEMES
 from preload.errors import CheckpointError
-from preload.identity.digest import checkpoint_digest, hash_shards
+from preload.identity.digest import content_digest
 from preload.identity.manifest import resolve_digest
 from preload.identity.shards import INDEX_NAME, read_header, shard_paths
 
-SCHEMES = ("header_only", "sampled_1k", "path_stat", "realpath", "content")
-SAMPLE_BYTES = 1024
 HEADER_IMPLS = ("auto", "vllm", "reimpl")
 CONTENT_MODES = ("full", "stat", "pinned")
 
@@ -195,8 +194,7 @@ def content(
     if mode not in CONTENT_MODES:
         raise ValueError(f"content mode {mode!r} is not one of {CONTENT_MODES}")
     if mode == "full":
-        digests = hash_shards(shard_paths(checkpoint), workers=workers, progress=False)
-        return Fingerprint("content", checkpoint_digest(digests), "preload-gate content/full")
+        return Fingerprint("content", content_digest(checkpoint, workers), "preload-gate content/full")
     res = resolve_digest(checkpoint, mode=mode, expected_digest=expected_digest, cache_dir=cache_dir)
     return Fingerprint("content", res.digest, f"preload-gate content/{mode} ({res.source})")
 

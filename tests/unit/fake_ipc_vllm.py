@@ -34,21 +34,19 @@ def _tokens(digest: str) -> list[list[int]]:
 def preload(argv: list[str]) -> None:
     model = argv[argv.index("--model") + 1]
     sockets = Path(argv[argv.index("--weight-cache-socket-dir") + 1])
-    from preload.identity.digest import checkpoint_digest, hash_shards
-    from preload.identity.shards import shard_paths
+    from preload.identity.digest import content_digest
 
-    digest = checkpoint_digest(hash_shards(shard_paths(model), progress=False))
+    digest = content_digest(model)
     (sockets / "daemon.json").write_text(json.dumps({"key": _key(model), "digest": digest}))
     print("INFO ===== Weight cache daemon READY: node 0/1 serving 1 local rank(s) x 1 role(s) =====", flush=True)
     time.sleep(600)
 
 
 def engine(spec_path: str, out_path: str) -> None:
-    from preload.identity.digest import checkpoint_digest, hash_shards
-    from preload.identity.shards import shard_paths
+    from preload.identity.digest import content_digest
 
     spec = json.loads(Path(spec_path).read_text())
-    own = checkpoint_digest(hash_shards(shard_paths(spec["checkpoint"]), progress=False))
+    own = content_digest(spec["checkpoint"])
     served = own
     if spec["load_format"] == "ipc_cache":
         daemon = json.loads((Path(spec["extra_config"]["socket_dir"]) / "daemon.json").read_text())

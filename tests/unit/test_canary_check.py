@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
-from canaries.check import ReplicaFailure, check, parse_completion
+from canaries.check import check
 from canaries.claims import Claim, from_events_file, parse_metrics
+from canaries.completion import ReplicaFailure, parse_completion
 from canaries.errors import GoldenError, GoldenRefusedError
 from canaries.golden import Golden, GoldenPrompt, Sampling
 from preload_gate.cli import main as cli_main

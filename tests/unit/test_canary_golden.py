@@ -23,7 +23,8 @@ def stub_result(n_prompts: int, max_tokens: int = 16) -> dict:
 
 
 def test_record_writes_a_golden_keyed_by_an_independent_digest(tiny_ckpt, tmp_path, monkeypatch) -> None:
-    from canaries.golden import content_digest, load_golden, record
+    from canaries.golden import load_golden, record
+    from preload.identity.digest import content_digest
 
     monkeypatch.setattr(golden_mod, "_run_worker", lambda spec, timeout_s: stub_result(len(spec["prompts"])))
     out = tmp_path / "g.json"

@@ -164,7 +164,7 @@ def test_case_is_not_run_until_judged(tiny_ckpt, tmp_path, monkeypatch):
     same case (control) is what turns it into PASS."""
     from harness.gate import _judge, _prepare, content_digest
 
-    monkeypatch.setattr("harness.gate.HEADER_IMPL", "reimpl")
+    monkeypatch.setattr("harness.gate.fingerprints.HEADER_IMPL", "reimpl")
     (case,) = select_cases("identical_copy")
     digest = content_digest(tiny_ckpt)
     sock = tmp_path / "s"
@@ -185,21 +185,22 @@ def test_case_is_not_run_until_judged(tiny_ckpt, tmp_path, monkeypatch):
 def test_switch_to_identical_base_requires_a_hit(tiny_ckpt, tmp_path, monkeypatch):
     """`gate A --base A`: equal content, equal key: a hit is required. Control:
     a base with other content requires a miss. Neither follows from the name."""
-    from harness.gate import _prepare, _switch_case, content_digest
+    from harness.gate import _prepare, content_digest
+    from harness.gate.cases import switch_case
 
-    monkeypatch.setattr("harness.gate.HEADER_IMPL", "reimpl")
+    monkeypatch.setattr("harness.gate.fingerprints.HEADER_IMPL", "reimpl")
     sock = tmp_path / "s"
     sock.mkdir(mode=0o700)
     digest = content_digest(tiny_ckpt)
     o1 = GateOptions(candidate=str(tiny_ckpt), base=str(tiny_ckpt))
-    same = _prepare(o1, _switch_case(o1), tiny_ckpt, tiny_ckpt, digest, tmp_path / "w1", str(sock), False)
+    same = _prepare(o1, switch_case(o1), tiny_ckpt, tiny_ckpt, digest, tmp_path / "w1", str(sock), False)
     assert same.result.expect == "hit" and same.cached_spec.extra_config["fallback"] is False
     other = tmp_path / "other"
     from fixtures.tiny import write_tiny
 
     write_tiny(other, seed=99)
     o2 = GateOptions(candidate=str(tiny_ckpt), base=str(other))
-    diff = _prepare(o2, _switch_case(o2), tiny_ckpt, tiny_ckpt, digest, tmp_path / "w2", str(sock), False)
+    diff = _prepare(o2, switch_case(o2), tiny_ckpt, tiny_ckpt, digest, tmp_path / "w2", str(sock), False)
     assert diff.result.expect == "miss" and diff.cached_spec.extra_config["fallback"] is True
 
 

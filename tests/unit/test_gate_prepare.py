@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture(autouse=True)
 def _no_vllm(monkeypatch):
-    monkeypatch.setattr("harness.gate.HEADER_IMPL", "reimpl")
+    monkeypatch.setattr("harness.gate.fingerprints.HEADER_IMPL", "reimpl")
 
 
 def _prep(name: str, tiny: Path, tmp: Path, **kw):

@@ -27,14 +27,10 @@ from safetensors.numpy import save_file
 from fixtures.mutations import copy_checkpoint
 from harness.bench.remote_fs import RemoteFS
 from preload.identity import anchors
+from preload.identity import filestat as filestat_mod
 from preload.identity import manifest as manifest_mod
-from preload.identity.manifest import (
-    FileStat,
-    StaleManifestError,
-    manifest_path,
-    resolve_digest,
-    stat_all,
-)
+from preload.identity.filestat import FileStat, stat_all
+from preload.identity.manifest import StaleManifestError, manifest_path, resolve_digest
 from preload.promote import promote
 
 pytestmark = pytest.mark.unit
@@ -131,9 +127,9 @@ def test_stats_are_in_flight_together(tmp_path, monkeypatch):
 @pytest.fixture
 def quick_idle(monkeypatch):
     """Parked stat workers leave after 0.2 s idle, so a test leaves no threads behind."""
-    monkeypatch.setattr(manifest_mod, "STAT_WORKER_IDLE_S", 0.2)
+    monkeypatch.setattr(filestat_mod, "STAT_WORKER_IDLE_S", 0.2)
     yield
-    manifest_mod.stop_stat_workers()
+    filestat_mod.stop_stat_workers()
 
 
 def _fake_stat(i: int) -> FileStat:
@@ -192,8 +188,8 @@ def test_stat_all_beyond_the_in_flight_limit(monkeypatch, quick_idle, limit):
     """More paths than MAX_STATS_IN_FLIGHT (real: 1,024; a cheap fake stat, no
     files): every result, in order, and never more than the limit in flight."""
     if limit is not None:
-        monkeypatch.setattr(manifest_mod, "MAX_STATS_IN_FLIGHT", limit)
-    cap = manifest_mod.MAX_STATS_IN_FLIGHT
+        monkeypatch.setattr(filestat_mod, "MAX_STATS_IN_FLIGHT", limit)
+    cap = filestat_mod.MAX_STATS_IN_FLIGHT
     n = cap + 7
     lock, now, peak = threading.Lock(), [0], [0]
 
@@ -217,7 +213,7 @@ def test_stat_all_beyond_the_in_flight_limit(monkeypatch, quick_idle, limit):
 def test_parked_workers_are_reused_and_leave_when_idle(tmp_path, monkeypatch, quick_idle):
     import _thread
 
-    manifest_mod.stop_stat_workers()
+    filestat_mod.stop_stat_workers()
     real_start = _thread.start_new_thread
     started = []
 
@@ -226,24 +222,24 @@ def test_parked_workers_are_reused_and_leave_when_idle(tmp_path, monkeypatch, qu
         return real_start(fn, args)
 
     monkeypatch.setattr(_thread, "start_new_thread", counting)
-    monkeypatch.setattr(manifest_mod, "STAT_WORKER_IDLE_S", 30.0)
+    monkeypatch.setattr(filestat_mod, "STAT_WORKER_IDLE_S", 30.0)
     files = [tmp_path] * 12
     stat_all(files)
     assert len(started) == 12, "a cold call starts one worker per stat"
     stat_all(files)
     assert len(started) == 12, "a second call wakes the parked workers"
-    assert manifest_mod.stop_stat_workers() == 0
+    assert filestat_mod.stop_stat_workers() == 0
     stat_all(files)
     assert len(started) == 24, "control: after a stop the next call starts its own again"
-    monkeypatch.setattr(manifest_mod, "STAT_WORKER_IDLE_S", 0.05)
-    manifest_mod.stop_stat_workers()
-    assert manifest_mod.start_stat_workers(4) == 4
+    monkeypatch.setattr(filestat_mod, "STAT_WORKER_IDLE_S", 0.05)
+    filestat_mod.stop_stat_workers()
+    assert filestat_mod.start_stat_workers(4) == 4
     # Idle workers leave on their own (this waits; it asserts no duration).
     for _ in range(400):
-        if manifest_mod._workers.parked() == 0:
+        if filestat_mod._workers.parked() == 0:
             break
         threading.Event().wait(0.05)
-    assert manifest_mod._workers.parked() == 0
+    assert filestat_mod._workers.parked() == 0
 
 
 def test_stat_all_works_in_a_forked_child(tmp_path, quick_idle):
@@ -251,7 +247,7 @@ def test_stat_all_works_in_a_forked_child(tmp_path, quick_idle):
     import signal
 
     stat_all([tmp_path] * 4)
-    assert manifest_mod._workers.parked() > 0
+    assert filestat_mod._workers.parked() > 0
     pid = os.fork()
     if pid == 0:  # child: a hang is killed by the alarm, not waited on forever
         signal.alarm(20)
@@ -278,7 +274,7 @@ def _thousand_shards(tmp_path):
 @pytest.mark.parametrize("limit", [None, 64], ids=["one-round", "strided"])
 def test_one_stale_shard_among_1000_is_caught(tmp_path, monkeypatch, quick_idle, limit):
     if limit is not None:
-        monkeypatch.setattr(manifest_mod, "MAX_STATS_IN_FLIGHT", limit)
+        monkeypatch.setattr(filestat_mod, "MAX_STATS_IN_FLIGHT", limit)
     ckpt, man = _thousand_shards(tmp_path)
     # Control: the untouched checkpoint is not stale, so a hit below is the edit.
     assert manifest_mod.stale_reason(ckpt, man) is None
@@ -296,7 +292,7 @@ def test_a_thread_that_cannot_start_leaves_no_stat_undone(tmp_path, monkeypatch,
     workers, the remaining stats run in turn in the caller rather than never."""
     import _thread
 
-    manifest_mod.stop_stat_workers()
+    filestat_mod.stop_stat_workers()
     real_start = _thread.start_new_thread
     budget = [5]
 

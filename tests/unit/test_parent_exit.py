@@ -125,8 +125,9 @@ GATE = textwrap.dedent("""
     import sys
     import harness.engine as E
     import harness.gate as G
+    import harness.gate.fingerprints as F
     ckpt, workdir, refs, unwind = sys.argv[1:5]
-    G.HEADER_IMPL = "reimpl"
+    F.HEADER_IMPL = "reimpl"
 
     class RawDaemon(G.DaemonProcess):
         def __post_init__(self):

