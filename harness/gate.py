@@ -56,11 +56,12 @@ from harness.targets import NAMES, get_target
 from harness.targets.base import UNSAFE_CONTROLS_ENV
 from harness.targets.checkpoints import weight_files
 from harness.verdict import LOGPROB_TOLERANCE, NOT_RUN, PASS, Expectation, expected_outcome, judge
-from preload import _atomic, trust
+from pgbase import atomic
+from pgbase.errors import PreloadGateError
+from pgbase.shards import shard_paths
+from preload import trust
 from preload.deployment import DeploymentSettings, answer_identity
-from preload.errors import PreloadGateError
 from preload.identity.digest import checkpoint_digest, hash_shards
-from preload.identity.shards import shard_paths
 from preload.preflight import check_output_dir
 
 TARGETS = NAMES
@@ -155,7 +156,7 @@ class ReferenceCache:
                 trust.ensure_private_dir(self.root, "reference cache directory")
             except trust.UntrustedPathError as exc:
                 raise GateSetupError(str(exc)) from exc
-            _atomic.write_json(self.root / f"{key}.json", result.to_json(), mode=0o600)
+            atomic.write_json(self.root / f"{key}.json", result.to_json(), mode=0o600)
 
 
 def _settings_json(case: GateCase) -> dict[str, Any]:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pgbase.errors import CacheKeyMismatchError, ProtocolError, WeightCacheUnavailableError
 from preload import protocol
-from preload.errors import CacheKeyMismatchError, ProtocolError, WeightCacheUnavailableError
 from preload.identity.key import WeightCacheKey
 from preload.sockets import socket_path, verify_socket
 from preload.transports import get_transport

@@ -50,11 +50,11 @@ import numpy as np
 from fixtures.shardfile import RawTensor, write_shard
 from harness.bench import BenchError, BenchOptions, BenchResult, Figure, bench_row, default_workdir
 from harness.bench.remote_fs import IOCounts, RemoteFS
-from preload import _atomic
+from pgbase import atomic
+from pgbase.shards import INDEX_NAME
 from preload.identity import anchors
 from preload.identity.digest import checkpoint_digest, hash_shards
 from preload.identity.manifest import start_stat_workers, stop_stat_workers
-from preload.identity.shards import INDEX_NAME
 from preload.promote import promote
 
 
@@ -99,8 +99,8 @@ def write_synthetic(
             _stream_shard(out / name, names, per_tensor, rng)
         weight_map.update({n: name for n in names})
         paths.append(out / name)
-    _atomic.write_json(out / INDEX_NAME, {"metadata": {}, "weight_map": weight_map})
-    _atomic.write_json(out / "config.json", {"architectures": ["SyntheticForBench"]})
+    atomic.write_json(out / INDEX_NAME, {"metadata": {}, "weight_map": weight_map})
+    atomic.write_json(out / "config.json", {"architectures": ["SyntheticForBench"]})
     return paths
 
 

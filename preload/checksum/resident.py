@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from pgbase.errors import PreloadGateError
 from preload.checksum.planner import LayoutFacts, hex_rows, lanes_triton, layout_facts
 from preload.checksum.reference import tensor_checksum
 from preload.checksum.scheme import SCHEME
-from preload.errors import PreloadGateError
 from preload.transports.base import Layout
 
 

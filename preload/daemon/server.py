@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pgbase.errors import PreloadGateError, ProtocolError
 from preload import protocol
 from preload.daemon.home import HomeWatch, inode_of, remove_if_empty, unlink_if
 from preload.daemon.lock import RankBusyError, RankLock, socket_answers
 from preload.daemon.stage import Filled
-from preload.errors import PreloadGateError, ProtocolError
 from preload.identity.key import WeightCacheKey
 from preload.sockets import ensure_private_dir, socket_path, verify_peer, verify_socket
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from preload.errors import CheckpointError
+from pgbase.errors import CheckpointError
 
 CHUNK_BYTES = 8 << 20
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from preload.errors import WeightCacheUnavailableError
+from pgbase.errors import WeightCacheUnavailableError
 from preload.transports.base import Arena, Attachment, Layout, Transport, view
 
 ARENA = "arena"

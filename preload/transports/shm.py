@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from preload.errors import WeightCacheUnavailableError
+from pgbase.errors import WeightCacheUnavailableError
 from preload.transports.base import Arena, Attachment, Layout, Transport, view
 
 F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)

@@ -34,8 +34,8 @@ def _tokens(digest: str) -> list[list[int]]:
 def preload(argv: list[str]) -> None:
     model = argv[argv.index("--model") + 1]
     sockets = Path(argv[argv.index("--weight-cache-socket-dir") + 1])
+    from pgbase.shards import shard_paths
     from preload.identity.digest import checkpoint_digest, hash_shards
-    from preload.identity.shards import shard_paths
 
     digest = checkpoint_digest(hash_shards(shard_paths(model), progress=False))
     (sockets / "daemon.json").write_text(json.dumps({"key": _key(model), "digest": digest}))
@@ -44,8 +44,8 @@ def preload(argv: list[str]) -> None:
 
 
 def engine(spec_path: str, out_path: str) -> None:
+    from pgbase.shards import shard_paths
     from preload.identity.digest import checkpoint_digest, hash_shards
-    from preload.identity.shards import shard_paths
 
     spec = json.loads(Path(spec_path).read_text())
     own = checkpoint_digest(hash_shards(shard_paths(spec["checkpoint"]), progress=False))

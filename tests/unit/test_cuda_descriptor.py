@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from preload.errors import WeightCacheUnavailableError
+from pgbase.errors import WeightCacheUnavailableError
 from preload.transports import get_transport
 from preload.transports.base import Layout
 from preload.transports.cuda import ARENA, PER_TENSOR, CudaTransport, IpcHandle, parse_descriptor
