@@ -131,7 +131,7 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
                 "bytes": filled.layout.total_bytes, "tensors": len(filled.layout.entries),
                 "load_seconds": round(filled.load_seconds, 4), "bytes_read": filled.bytes_read,
                 "peak_rss_bytes": filled.peak_rss_bytes, "baseline_rss_bytes": filled.baseline_rss_bytes,
-                "daemon_id": server.daemon_id, "gpu_uuid": getattr(filled.arena, "uuid", None),
+                "daemon_id": server.daemon_id, "gpu_uuid": filled.arena.gpu_uuid,
             })
         while not stop.wait(PARENT_POLL_S):
             # Orphaned (the launcher was killed -9): stop (preload.daemon.parent).

@@ -274,7 +274,7 @@ class RankServer:
             "daemon_id": self.daemon_id, "digest": self.filled.digest, "rank": self.global_rank,
             "stage": self.filled.stage, "transport": self.key.transport, "pid": os.getpid(),
             # The GPU (by UUID) a cuda arena lives on: engines pick their GPU's daemon by it.
-            "gpu_uuid": getattr(self.filled.arena, "uuid", None),
+            "gpu_uuid": self.filled.arena.gpu_uuid,
         }
 
     def _get_state(self, conn: socket.socket, key_obj: dict[str, Any]) -> None:
