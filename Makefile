@@ -28,5 +28,5 @@ unit: setup
 	$(BIN)/python -m pytest -m unit tests
 
 lint: setup
-	$(BIN)/ruff check preload preload_gate fixtures harness canaries tests
+	$(BIN)/ruff check pgbase preload preload_gate fixtures harness canaries tests
 	$(BIN)/mypy

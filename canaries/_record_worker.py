@@ -86,9 +86,9 @@ def main(argv: list[str]) -> int:
 
         traceback.print_exc()
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    from preload import _atomic
+    from pgbase import atomic
 
-    _atomic.write_json(argv[1], result)
+    atomic.write_json(argv[1], result)
     sys.stdout.flush()
     sys.stderr.flush()
     # vLLM's CPU engine-core children sometimes hang at interpreter exit;

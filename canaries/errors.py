@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from preload.errors import PreloadGateError
+from pgbase.errors import PreloadGateError
 
 
 class GoldenError(PreloadGateError):

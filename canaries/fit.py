@@ -25,8 +25,8 @@ import os
 from typing import Any
 
 from canaries.golden import Golden
+from pgbase.errors import PreloadGateError
 from preload.deployment import DeploymentSettings, answer_identity
-from preload.errors import PreloadGateError
 
 # vLLM's dtype aliases (``--dtype half`` is float16).
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -36,11 +36,11 @@ from typing import Any
 
 from canaries.errors import GoldenError
 from canaries.prompts import DEFAULT_PROMPTS
-from preload import _atomic
+from pgbase import atomic
+from pgbase.shards import shard_paths
 from preload.deployment import DeploymentSettings, SettingsError, answer_identity
 from preload.identity.digest import content_digest
 from preload.identity.filestat import FileStat
-from preload.identity.shards import shard_paths
 
 FORMAT = "preload-gate-golden/1"
 DEFAULT_MAX_TOKENS = 16
@@ -270,7 +270,7 @@ def record(
         token_texts={str(k): str(v) for k, v in result["token_texts"].items()},
         recorded_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
-    _atomic.write_json(out, golden.to_json())
+    atomic.write_json(out, golden.to_json())
     return golden
 
 
@@ -290,7 +290,7 @@ def _run_worker(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """
     with tempfile.TemporaryDirectory(prefix="pg-golden-") as work:
         spec_path, out_path, log_path = Path(work, "spec.json"), Path(work, "result.json"), Path(work, "engine.log")
-        _atomic.write_json(spec_path, spec)
+        atomic.write_json(spec_path, spec)
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, *_WORKER_ARGS, str(spec_path), str(out_path)],

@@ -47,7 +47,7 @@ def _bench(args: argparse.Namespace) -> int:
         run_rows,
     )
     from harness.bench.html import write_html
-    from preload import _atomic
+    from pgbase import atomic
 
     if args.list:
         for row in load_rows().values():
@@ -79,8 +79,8 @@ def _bench(args: argparse.Namespace) -> int:
     table = markdown(results)
     if args.out:
         out = Path(args.out)
-        _atomic.write_json(out / "bench.json", doc)
-        _atomic.write_text(out / "bench.md", table)
+        atomic.write_json(out / "bench.json", doc)
+        atomic.write_text(out / "bench.md", table)
         write_html(results, out / "bench.html")
     if args.json:
         print(json.dumps(doc, indent=2))

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pgbase.errors import PreloadGateError
 from preload.daemon.parent import PARENT_PID_ENV
-from preload.errors import PreloadGateError
 
 READY_TIMEOUT_S = 240.0
 

@@ -29,7 +29,7 @@ from harness.gate import GateOptions, run_gate
 from harness.report import write_reports
 from harness.report.matrix import build_matrix, print_matrix, render_matrix_html
 from harness.report.terminal import TerminalProgress
-from preload import _atomic
+from pgbase import atomic
 from preload.preflight import check_output_dir
 
 MODELS = ("auto", "tiny", "smollm2")
@@ -86,8 +86,8 @@ def run_demo(model: str = "auto", report_dir: str = "preload-gate-report", mutat
             progress("target", f"{name}: {doc['verdict']} in {report.seconds:.0f} s")
         timings["total"] = time.monotonic() - t0
         matrix = build_matrix(reports, prompts=list(DEFAULT_PROMPTS), timings=timings, model=f"{model} ({ckpt})")
-        _atomic.write_json(out / "matrix.json", matrix)
-        _atomic.write_text(out / "report.html", render_matrix_html(matrix))
+        atomic.write_json(out / "matrix.json", matrix)
+        atomic.write_text(out / "report.html", render_matrix_html(matrix))
         print_matrix(matrix)
         print(f"report: {out / 'report.html'} (each target's report in {out}/<target>/)")
         ours = next((r for r in reports if r["target"] == "verified_cache"), None)

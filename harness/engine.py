@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from preload import _atomic
+from pgbase import atomic
 from preload.daemon.parent import PARENT_PID_ENV
 from preload.events import read_events
 
@@ -270,7 +270,7 @@ def run_engine(
         events_path = Path(extra["events_file"])
         body["extra_config"] = extra
     spec_path, out_path, log_path = wd / "spec.json", wd / "result.json", wd / "engine.log"
-    _atomic.write_json(spec_path, body)
+    atomic.write_json(spec_path, body)
     if out_path.exists():
         out_path.unlink()
     env = engine_env(spec)

@@ -177,9 +177,9 @@ def run_server(spec: dict[str, Any], out: str) -> dict[str, Any]:
               "vllm_version": vllm_version}
     # The result goes to disk before the server is told to stop: its shutdown
     # may signal the whole process group, this worker included.
-    from preload import _atomic
+    from pgbase import atomic
 
-    _atomic.write_json(out, result)
+    atomic.write_json(out, result)
     proc.terminate()
     return result
 
@@ -198,9 +198,9 @@ def main(argv: list[str]) -> int:
 
         traceback.print_exc()
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    from preload import _atomic
+    from pgbase import atomic
 
-    _atomic.write_json(argv[1], result)
+    atomic.write_json(argv[1], result)
     sys.stdout.flush()
     sys.stderr.flush()
     # vLLM's engine-core processes and atexit hooks occasionally hang on

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fixtures.mutations import MUTATIONS, Mutation
-from preload.errors import PreloadGateError
+from pgbase.errors import PreloadGateError
 from preload.identity.key import WeightCacheKey
 
 

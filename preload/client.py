@@ -3,7 +3,7 @@
 Used by the vLLM loader and by any other consumer (a transformers model
 built on the meta device). It trusts a daemon only after the socket checks
 in :mod:`preload.sockets`, speaks only JSON frames, and hands the
-descriptor to whichever transport the daemon names.
+descriptor to the transport it came from (:func:`preload.transports.transport_for`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pgbase.errors import CacheKeyMismatchError, ProtocolError, WeightCacheUnavailableError
 from preload import protocol
-from preload.errors import CacheKeyMismatchError, ProtocolError, WeightCacheUnavailableError
 from preload.identity.key import WeightCacheKey
 from preload.sockets import socket_path, verify_socket
-from preload.transports import get_transport
-from preload.transports.base import Attachment, Layout
+from preload.transports import transport_for
+from preload.transports.base import Attachment, Layout, Transport
 
 log = logging.getLogger("preload.client")
 
@@ -42,10 +42,15 @@ class State:
     # Resident checksums (preload.checksum), sent for arenas engines can write into.
     checksums: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def transport(self) -> Transport:
+        """The transport this state's descriptor came from."""
+        return transport_for(self.descriptor)
+
     def attach(self) -> Attachment:
         """Map the tensors (takes ownership of ``fds``)."""
         fds, self.fds = self.fds, []
-        return get_transport(str(self.descriptor.get("kind"))).attach(self.descriptor, fds, self.layout)
+        return self.transport.attach(self.descriptor, fds, self.layout)
 
     def close(self) -> None:
         for fd in self.fds:

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from preload.errors import PreloadGateError
+from pgbase.errors import PreloadGateError
 from preload.identity.manifest import config_digest
 
 # What ``vllm serve`` (and an offline ``LLM``) use when the flag is absent.

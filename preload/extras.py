@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from preload.errors import PreloadGateError
+from pgbase.errors import PreloadGateError
 
 # pyproject's [project.optional-dependencies] (tests/unit/test_cli_verbs.py
 # holds them equal to the installed distribution's Provides-Extra).

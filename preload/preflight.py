@@ -24,8 +24,8 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from pgbase.errors import PreloadGateError
 from preload import trust
-from preload.errors import PreloadGateError
 
 # sun_path is 108 bytes on Linux, one of them the terminating NUL.
 AF_UNIX_MAX = 107
@@ -179,7 +179,7 @@ def model_heads(checkpoint: str | os.PathLike[str]) -> tuple[int, int] | None:
     ``config.json`` or it names no head count (nothing to check here; vLLM
     decides later). Reads one small file, no weights.
 
-    Raises :class:`~preload.errors.CheckpointError` when ``config.json`` is not readable JSON."""
+    Raises :class:`~pgbase.errors.CheckpointError` when ``config.json`` is not readable JSON."""
     from preload.identity.manifest import read_config
 
     cfg = read_config(checkpoint)

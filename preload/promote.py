@@ -12,7 +12,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from preload.errors import PreloadGateError
+from pgbase.errors import PreloadGateError
 from preload.identity.manifest import Manifest, build_manifest, write_manifest
 from preload.preflight import preflight_promote
 from preload.sockets import ensure_private_dir, socket_dir

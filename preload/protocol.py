@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from preload.errors import ProtocolError
+from pgbase.errors import ProtocolError
 from preload.identity.key import PROTOCOL_VERSION
 
 MAX_FRAME_BYTES = 64 << 20

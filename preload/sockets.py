@@ -21,8 +21,8 @@ import struct
 import tempfile
 from pathlib import Path
 
+from pgbase.errors import InsecureSocketError
 from preload import trust
-from preload.errors import InsecureSocketError
 
 DIGEST_PREFIX = 16
 

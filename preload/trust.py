@@ -17,7 +17,7 @@ import os
 import stat
 from pathlib import Path
 
-from preload.errors import InsecureSocketError
+from pgbase.errors import InsecureSocketError
 
 # Test-only switch for the negative controls (``unsafe_identity``,
 # ``unsafe_silent_fallback``, ``preload --unsafe-identity``): without it they
@@ -37,7 +37,7 @@ def unsafe_controls_allowed() -> bool:
 def require_unsafe_controls(what: str) -> None:
     """Raise a one-line configuration error unless the test-only switch is set."""
     if not unsafe_controls_allowed():
-        from preload.errors import PreloadGateError
+        from pgbase.errors import PreloadGateError
 
         raise PreloadGateError(
             f"{what} is a negative control for tests only; it is refused unless "

@@ -1,7 +1,7 @@
 """``preload-gate``: one parser; ``VERBS`` says which module adds each verb.
 
-This module sits above every package (fixtures <- preload <- harness,
-canaries), so it is the one place allowed to import them all. Each module in
+This module sits above every package (README "Architecture"), so it is the
+one place allowed to import them all. Each module in
 the table exposes ``register(subparsers)``, which adds its verbs; a verb's
 handler returns the exit code. The table is authoritative: a module that
 adds a verb the table does not name, or a verb nobody adds, is an error, and
@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn
 
-from preload.errors import PreloadGateError
+from pgbase.errors import PreloadGateError
 from preload.extras import ExtraMissingError, ModuleLoadError, import_for
 
 
@@ -40,7 +40,7 @@ class Verb:
 VERBS: dict[str, Verb] = {
     "fixtures": Verb("fixtures.cli"),
     "promote": Verb("preload.cli"),
-    "fingerprints": Verb("preload.cli"),
+    "fingerprints": Verb("harness.fingerprints"),
     "preload": Verb("preload.daemon.cli"),
     "status": Verb("preload.daemon.cli"),
     "bench": Verb("harness.cli"),

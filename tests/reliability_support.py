@@ -528,7 +528,7 @@ def checkpoint_tensor_digests(checkpoint: Path) -> dict[str, str]:
     """SHA-256 of each tensor's bytes as the checkpoint files hold them."""
     import hashlib
 
-    from preload.identity.shards import read_header, shard_paths
+    from pgbase.shards import read_header, shard_paths
 
     out = {}
     for path in shard_paths(checkpoint):

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from preload.errors import PreloadGateError
+from pgbase.errors import PreloadGateError
 from preload.extras import ExtraMissingError, ModuleLoadError, import_for
 
 # Modules that define rows, in the order the table lists them, and the

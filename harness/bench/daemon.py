@@ -180,7 +180,7 @@ print(json.dumps({"baseline": base, "peak": rss("VmHWM")}))
 
 
 def _weight_bytes(ckpt: Path) -> int:
-    from preload.identity.shards import read_header, shard_paths
+    from pgbase.shards import read_header, shard_paths
 
     return sum(t.nbytes for p in shard_paths(ckpt) for t in read_header(p).tensors)
 

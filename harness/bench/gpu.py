@@ -92,12 +92,12 @@ def produce(total_bytes: int, tensors: int, reps: int) -> None:
     layout = Layout.plan(synthetic_specs(total_bytes, tensors))
     arena = CudaTransport(0, ARENA).create(layout)
     _fill_random(arena.views(), seed=1)
-    arena.seal()
     parts = CudaTransport(0, PER_TENSOR).create(layout)
     for name, t in parts.views().items():
         t.copy_(arena.views()[name])
     parts.seal()
     sums = checksum_tensors(arena.views(), layout)
+    arena.seal()
     doc = {
         "entries": layout.to_json(), "total_bytes": layout.total_bytes, "checksums": sums,
         "arena": [arena.descriptor() for _ in range(reps)],

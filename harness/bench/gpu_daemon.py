@@ -54,10 +54,10 @@ def gpu_daemon_attach(options: BenchOptions) -> list[BenchResult]:
     from safetensors.torch import load_file
 
     from harness.bench.synthetic import write_synthetic
+    from pgbase.shards import shard_paths
     from preload.checksum import verify_resident
     from preload.client import DaemonClient
     from preload.daemon.raw import raw_key
-    from preload.identity.shards import shard_paths
 
     tensors, reps = gpu_params(options)
     shards = max(1, min(8, tensors // 40))

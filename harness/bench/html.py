@@ -17,7 +17,7 @@ from typing import Any
 import jinja2
 
 from harness.bench import BenchResult
-from preload import _atomic
+from pgbase import atomic
 
 LABEL_W, BAR_W, BAR_H, GAP, VALUE_W = 300, 360, 18, 8, 90
 
@@ -95,5 +95,5 @@ def render(results: list[BenchResult]) -> str:
 
 
 def write_html(results: list[BenchResult], path: Path) -> Path:
-    _atomic.write_text(path, render(results))
+    atomic.write_text(path, render(results))
     return path

@@ -110,7 +110,7 @@ def load_many(checkpoint: Path, clients: int) -> list[ClientResult]:
     """The anchor: ``clients`` concurrent ``safetensors`` loads of every shard."""
     from safetensors.torch import load_file
 
-    from preload.identity.shards import shard_paths
+    from pgbase.shards import shard_paths
 
     paths = shard_paths(checkpoint)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from fixtures.shardfile import RawTensor, write_shard
-from preload import _atomic
-from preload.identity.shards import INDEX_NAME
+from pgbase import atomic
+from pgbase.shards import INDEX_NAME
 
 
 def write_synthetic(
@@ -38,8 +38,8 @@ def write_synthetic(
             _stream_shard(out / name, names, per_tensor, rng)
         weight_map.update({n: name for n in names})
         paths.append(out / name)
-    _atomic.write_json(out / INDEX_NAME, {"metadata": {}, "weight_map": weight_map})
-    _atomic.write_json(out / "config.json", {"architectures": ["SyntheticForBench"]})
+    atomic.write_json(out / INDEX_NAME, {"metadata": {}, "weight_map": weight_map})
+    atomic.write_json(out / "config.json", {"architectures": ["SyntheticForBench"]})
     return paths
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from harness.gate.cases import gate_settings
 from harness.gate.options import GateOptions
-from preload.errors import PreloadGateError
+from pgbase.errors import PreloadGateError
 
 
 def record_golden(opts: GateOptions, candidate: Path) -> dict[str, Any]:

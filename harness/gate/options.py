@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from harness.engine import DEFAULT_TIMEOUT_S
 from harness.verdict import LOGPROB_TOLERANCE
+from pgbase.errors import PreloadGateError
 from preload.deployment import DeploymentSettings
-from preload.errors import PreloadGateError
 
 
 class GateSetupError(PreloadGateError):

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from harness.engine import EngineResult, EngineSpec
 from harness.gate.options import GateSetupError
-from preload import _atomic, trust
+from pgbase import atomic
+from preload import trust
 from preload.deployment import answer_identity
 
 
@@ -69,4 +70,4 @@ class ReferenceCache:
                 trust.ensure_private_dir(self.root, "reference cache directory")
             except trust.UntrustedPathError as exc:
                 raise GateSetupError(str(exc)) from exc
-            _atomic.write_json(self.root / f"{key}.json", result.to_json(), mode=0o600)
+            atomic.write_json(self.root / f"{key}.json", result.to_json(), mode=0o600)

@@ -20,7 +20,7 @@ from typing import Any
 from harness.report.html import render_html
 from harness.report.junit import render_junit
 from harness.report.markdown import render_markdown
-from preload import _atomic
+from pgbase import atomic
 
 
 def write_reports(report: dict[str, Any], directory: str | os.PathLike[str]) -> dict[str, Path]:
@@ -33,10 +33,10 @@ def write_reports(report: dict[str, Any], directory: str | os.PathLike[str]) -> 
         "xml": out / "report.xml",
         "html": out / "report.html",
     }
-    _atomic.write_json(paths["json"], report)
-    _atomic.write_text(paths["md"], render_markdown(report))
-    _atomic.write_text(paths["xml"], render_junit(report))
-    _atomic.write_text(paths["html"], render_html(report))
+    atomic.write_json(paths["json"], report)
+    atomic.write_text(paths["md"], render_markdown(report))
+    atomic.write_text(paths["xml"], render_junit(report))
+    atomic.write_text(paths["html"], render_html(report))
     return paths
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import jinja2
 
-from fixtures.schemes import SCHEMES
 from harness.report.rows import summary_rows
+from pgbase.schemes import SCHEMES
 
 # Restart phases, in order, as offsets from process start (seconds).
 PHASES = (("imported", "import vLLM"), ("ready", "load + warm up"), ("first_token", "first token"))

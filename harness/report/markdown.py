@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fixtures.schemes import SCHEMES
 from harness.report.rows import summary_rows
+from pgbase.schemes import SCHEMES
 
 _MARK = {"PASS": "PASS", "BLOCK": "**BLOCK**", "NOT_RUN": "not run"}
 

@@ -12,7 +12,7 @@ from harness.targets.ipc_cache import IpcCacheTarget
 from harness.targets.npcache import NpcacheTarget
 from harness.targets.sharded_state import ShardedStateTarget
 from harness.targets.verified_cache import VerifiedCacheTarget
-from preload.errors import PreloadGateError
+from pgbase.errors import PreloadGateError
 
 TARGETS: dict[str, type[CacheTarget]] = {
     t.name: t for t in (VerifiedCacheTarget, HeaderOnlyTarget, NpcacheTarget, ShardedStateTarget, IpcCacheTarget)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from preload.errors import PreloadGateError
+from pgbase.errors import PreloadGateError
 
 
 class PrepareError(PreloadGateError):

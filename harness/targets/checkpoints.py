@@ -22,8 +22,8 @@ from pathlib import Path
 from fixtures.binformat import BIN_NAME, bin_path, bin_transform, is_bin, to_bin
 from fixtures.mutations import copy_checkpoint
 from harness.mutations import GateCase
+from pgbase.shards import shard_paths
 from preload.identity.digest import checkpoint_digest, content_digest, hash_file
-from preload.identity.shards import shard_paths
 
 # Files besides the weights that decide what an engine computes.
 _SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

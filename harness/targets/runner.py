@@ -34,7 +34,7 @@ from harness.targets.base import CacheTarget, PreparedCache
 from harness.targets.checkpoints import file_digest, make_candidate, stage_base, values_digest
 from harness.targets.judge import judge_served
 from harness.verdict import NOT_RUN, expected_outcome
-from preload.errors import PreloadGateError
+from pgbase.errors import PreloadGateError
 
 
 @dataclass

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pgbase.errors import PreloadGateError
 from preload.checksum.scheme import BLOCK_WORDS, device_tables
-from preload.errors import PreloadGateError
 from preload.transports.base import Layout
 
 _kernel: Any = None

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
+from pgbase.errors import PreloadGateError
 from preload.checksum.planner import LayoutFacts, hex_rows, lanes_triton, layout_facts
 from preload.checksum.reference import tensor_checksum
 from preload.checksum.scheme import SCHEME
-from preload.errors import PreloadGateError
-from preload.transports.base import Layout
+from preload.transports.base import Arena, Layout
 
 
 class ResidentWeightsChangedError(PreloadGateError):
@@ -152,13 +151,14 @@ def verify_resident(
     return VerifyReport(len(layout.entries), sum(e.nbytes for e in layout.entries))
 
 
-def resident_checksums(arena: Any, views: Mapping[str, torch.Tensor]) -> dict[str, str]:
+def resident_checksums(arena: Arena, views: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """The daemon's checksums after loading, for arenas engines can write into.
 
-    A sealed memfd cannot change, so shm arenas need none (and computing
-    them on CPU would slow every load for nothing); a CUDA arena has no
-    seal, so it gets one checksum per tensor. Call before sharing.
+    ``arena.engines_can_write`` decides: a sealed memfd cannot change, so
+    shm arenas need none (and computing them on CPU would slow every load
+    for nothing); a CUDA arena has no write seal, so it gets one checksum
+    per tensor. Call before sealing.
     """
-    if not getattr(arena, "engines_can_write", False):
+    if not arena.engines_can_write:
         return {}
     return checksum_tensors(views, arena.layout)

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from preload.errors import PreloadGateError
+from pgbase.errors import PreloadGateError
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -25,8 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from pgbase.errors import PreloadGateError
 from preload.client import DaemonClient
-from preload.errors import PreloadGateError
 
 PREFIX = "preload_gate_"
 

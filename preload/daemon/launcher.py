@@ -32,10 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pgbase.errors import ManifestError, PreloadGateError
 from preload.daemon.parent import INTERVAL_S as PARENT_POLL_S
 from preload.daemon.parent import ParentWatch
 from preload.daemon.placement import Parallelism, Placement, plan_local_ranks
-from preload.errors import ManifestError, PreloadGateError
 from preload.identity.manifest import load_manifest
 from preload.sockets import socket_dir
 from preload.trust import require_unsafe_controls
@@ -130,7 +130,7 @@ class Launcher:
         """
         # Imported here, not at the top: the preflight before it must not
         # pay for torch (a refusal is meant to take milliseconds).
-        from preload.daemon.rank import RankConfig
+        from preload.daemon.stage import RankConfig
 
         opts = self.opts
         placements = plan_local_ranks(opts.parallel)

@@ -24,20 +24,17 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from pgbase.errors import CheckpointError, PreloadGateError
+from pgbase.shards import check_unique_tensors, read_header, shard_paths
 from preload.checksum import resident_checksums
 from preload.daemon.proof import ProvenShard, check_digest, torch_dtype, torch_shape
-from preload.daemon.stage import Filled
-from preload.errors import CheckpointError, PreloadGateError
+from preload.daemon.stage import Filled, RankConfig, proc_status
 from preload.identity.manifest import Manifest
-from preload.identity.shards import check_unique_tensors, read_header, shard_paths
 from preload.transports.base import Layout, Transport
-
-if TYPE_CHECKING:
-    from preload.daemon.rank import RankConfig
 
 log = logging.getLogger("preload.daemon")
 
@@ -174,7 +171,7 @@ def fill_model(cfg: RankConfig, transport: Transport, expected: str | None, mani
         loader.get_all_weights = lambda _mc, _m: weights
         loader.counter_before_loading_weights = time.perf_counter()
         # vLLM's imports and config are behind us: what grows from here is weights.
-        baseline_rss = _rss_bytes()
+        baseline_rss = proc_status("VmRSS")
         with set_default_torch_dtype(model_config.dtype):
             with device:
                 model = loader.create_model(vllm_config=vllm_config, model_config=model_config)
@@ -259,12 +256,6 @@ def _copy_into_arena(model: torch.nn.Module, transport: Transport) -> Any:
     _release(tensors)
     del views
     return arena, layout, aliases, checksums
-
-
-def _rss_bytes() -> int:
-    from preload.daemon.rank import proc_status
-
-    return proc_status("VmRSS")
 
 
 def _release(tensors: list[tuple[str, torch.Tensor, str]]) -> None:

@@ -22,7 +22,7 @@ import os
 import socket
 from pathlib import Path
 
-from preload.errors import PreloadGateError
+from pgbase.errors import PreloadGateError
 
 
 class RankBusyError(PreloadGateError):

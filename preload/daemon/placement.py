@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from preload.errors import PreloadGateError
+from pgbase.errors import PreloadGateError
 
 
 class PlacementError(PreloadGateError):

@@ -20,16 +20,16 @@ from pathlib import Path
 
 import torch
 
-from preload.errors import CheckpointError, DigestMismatchError
-from preload.identity.digest import checkpoint_digest
-from preload.identity.manifest import Manifest
-from preload.identity.shards import (
+from pgbase.errors import CheckpointError, DigestMismatchError
+from pgbase.shards import (
     MAX_HEADER_BYTES,
     ShardHeader,
     TensorInfo,
     library_view,
     parse_accepted,
 )
+from preload.identity.digest import checkpoint_digest
+from preload.identity.manifest import Manifest
 
 CHUNK_BYTES = 8 << 20
 

@@ -1,31 +1,30 @@
 """One rank's daemon process: lock, fill, prove, serve until told to stop.
 
 Started by the launcher as ``python -m preload.daemon.rank`` with a JSON
-:class:`RankConfig` on stdin (no pickle crosses this boundary either). It
+:class:`~preload.daemon.stage.RankConfig` on stdin (no pickle crosses this boundary either). It
 prints exactly one JSON line on stdout: ``{"event": "rank_ready", ...}``
 when serving, or ``{"event": "rank_error", "error": ...}`` before exiting 2.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import signal
 import sys
 import threading
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pgbase.errors import PreloadGateError
 from preload.daemon.home import remove_if_empty
 from preload.daemon.lock import RankLock
 from preload.daemon.parent import INTERVAL_S as PARENT_POLL_S
 from preload.daemon.parent import ParentWatch
 from preload.daemon.server import RankServer
-from preload.daemon.stage import Filled
-from preload.errors import PreloadGateError
+from preload.daemon.stage import Filled, RankConfig, proc_status
+from preload.identity.anchors import header_only_digest
 from preload.identity.manifest import load_manifest
 from preload.sockets import ensure_private_dir, socket_dir
 from preload.transports import get_transport
@@ -33,58 +32,6 @@ from preload.transports import get_transport
 log = logging.getLogger("preload.daemon")
 
 UNSAFE_IDENTITIES = ("header_only",)
-
-
-@dataclass
-class RankConfig:
-    checkpoint: str
-    global_rank: int = 0
-    local_rank: int = 0
-    tp_rank: int = 0
-    pp_rank: int = 0
-    dp_rank: int = 0
-    stage: str = "raw"
-    transport: str = "shm"
-    socket_root: str | None = None
-    expected_digest: str | None = None
-    unsafe_identity: str | None = None
-    # Engine settings for the loaded/processed stages (tp/pp/dp sizes, dtype...).
-    engine: dict[str, Any] = field(default_factory=dict)
-    distributed_init_method: str | None = None
-    cpus: list[int] | None = None
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> RankConfig:
-        return cls(**obj)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def header_only_digest(checkpoint: str) -> str:
-    """vLLM's own header-only ``hash_checkpoint``, widened to 64 hex by SHA-256.
-
-    UNSAFE on purpose: a negative control for the gate. Two checkpoints with
-    the same layout and different values get the same digest.
-    """
-    from vllm.model_executor.model_loader.weight_cache.protocol import hash_checkpoint
-
-    h = hash_checkpoint(checkpoint)
-    if h is None:
-        raise PreloadGateError(f"vLLM's hash_checkpoint found no safetensors in {checkpoint}")
-    return hashlib.sha256(h.encode()).hexdigest()
-
-
-def proc_status(field_name: str) -> int:
-    """A byte figure from /proc/self/status (VmRSS now, VmHWM peak); 0 if absent."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _fill(cfg: RankConfig, expected: str | None) -> Filled:
@@ -184,7 +131,7 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
                 "bytes": filled.layout.total_bytes, "tensors": len(filled.layout.entries),
                 "load_seconds": round(filled.load_seconds, 4), "bytes_read": filled.bytes_read,
                 "peak_rss_bytes": filled.peak_rss_bytes, "baseline_rss_bytes": filled.baseline_rss_bytes,
-                "daemon_id": server.daemon_id, "gpu_uuid": getattr(filled.arena, "uuid", None),
+                "daemon_id": server.daemon_id, "gpu_uuid": filled.arena.gpu_uuid,
             })
         while not stop.wait(PARENT_POLL_S):
             # Orphaned (the launcher was killed -9): stop (preload.daemon.parent).

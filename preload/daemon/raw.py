@@ -13,14 +13,14 @@ import os
 import time
 from pathlib import Path
 
+from pgbase.errors import CheckpointError
+from pgbase.shards import duplicate_message, shard_paths
 from preload.checksum import resident_checksums
 from preload.daemon.proof import ProvenShard, check_digest, torch_dtype, torch_shape
 from preload.daemon.stage import Filled
 from preload.daemon.tp_slice import plan_slices, read_slice
-from preload.errors import CheckpointError
 from preload.identity.key import WeightCacheKey
 from preload.identity.manifest import Manifest, config_digest
-from preload.identity.shards import duplicate_message, shard_paths
 from preload.transports.base import Layout, Transport
 
 

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from preload import _atomic, trust
+from pgbase import atomic
+from preload import trust
 from preload.daemon.home import inode_of, unlink_if
 
 log = logging.getLogger("preload.daemon")
@@ -97,7 +98,7 @@ def register(socket_root: str | os.PathLike[str], digest: str,
     try:
         d.parent.mkdir(parents=True, exist_ok=True)
         trust.ensure_private_dir(d, "daemon registry")
-        _atomic.write_json(path, {"socket_root": root, "pid": os.getpid(), "start_ticks": start_ticks(os.getpid()),
+        atomic.write_json(path, {"socket_root": root, "pid": os.getpid(), "start_ticks": start_ticks(os.getpid()),
                                   "digest": digest}, mode=0o600)
     except (OSError, trust.UntrustedPathError) as exc:
         log.warning("cannot register this daemon in %s (%s); `preload-gate status` lists it only with "

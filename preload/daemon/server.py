@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pgbase.errors import PreloadGateError, ProtocolError
 from preload import protocol
 from preload.daemon.home import HomeWatch, inode_of, remove_if_empty, unlink_if
 from preload.daemon.lock import RankBusyError, RankLock, socket_answers
 from preload.daemon.stage import Filled
-from preload.errors import PreloadGateError, ProtocolError
 from preload.identity.key import WeightCacheKey
 from preload.sockets import ensure_private_dir, socket_path, verify_peer, verify_socket
 
@@ -274,7 +274,7 @@ class RankServer:
             "daemon_id": self.daemon_id, "digest": self.filled.digest, "rank": self.global_rank,
             "stage": self.filled.stage, "transport": self.key.transport, "pid": os.getpid(),
             # The GPU (by UUID) a cuda arena lives on: engines pick their GPU's daemon by it.
-            "gpu_uuid": getattr(self.filled.arena, "uuid", None),
+            "gpu_uuid": self.filled.arena.gpu_uuid,
         }
 
     def _get_state(self, conn: socket.socket, key_obj: dict[str, Any]) -> None:

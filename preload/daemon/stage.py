@@ -1,8 +1,16 @@
-"""What a stage hands the server: a sealed arena and the proof behind it."""
+"""A stage's contract: what it is asked to fill (:class:`RankConfig`), what it
+hands the server (:class:`Filled`: a sealed arena and the proof behind it)
+and the memory figures it reports (:func:`proc_status`).
+
+The rank process (:mod:`preload.daemon.rank`) and the stages it runs
+(:mod:`~preload.daemon.raw`, :mod:`~preload.daemon.loaded`) both import
+this module, so neither imports the other's.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from preload.identity.key import WeightCacheKey
 from preload.transports.base import Arena, Layout
@@ -30,3 +38,43 @@ class Filled:
     bytes_read: int = 0
     peak_rss_bytes: int = 0
     baseline_rss_bytes: int = 0
+
+
+@dataclass
+class RankConfig:
+    """One rank's orders from the launcher, sent as JSON on the rank's stdin."""
+
+    checkpoint: str
+    global_rank: int = 0
+    local_rank: int = 0
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    stage: str = "raw"
+    transport: str = "shm"
+    socket_root: str | None = None
+    expected_digest: str | None = None
+    unsafe_identity: str | None = None
+    # Engine settings for the loaded/processed stages (tp/pp/dp sizes, dtype...).
+    engine: dict[str, Any] = field(default_factory=dict)
+    distributed_init_method: str | None = None
+    cpus: list[int] | None = None
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> RankConfig:
+        return cls(**obj)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def proc_status(field_name: str) -> int:
+    """A byte figure from /proc/self/status (VmRSS now, VmHWM peak); 0 if absent."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from preload.errors import CheckpointError
+from pgbase.errors import CheckpointError
+from preload.meta_model import build_meta_model
 
 REPLICATE = None
 
@@ -140,8 +141,6 @@ def plan_slices(
     if tp_size == 1:
         return {n: Slice(n, None, REPLICATE) for n, _ in items}
     try:
-        from preload.hf_attach import build_meta_model
-
         model = build_meta_model(checkpoint)
     except ImportError as exc:
         raise TpSliceError(f"splitting for tensor parallelism needs transformers: {exc}") from exc

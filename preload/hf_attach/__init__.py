@@ -18,8 +18,8 @@ asks the daemon to release its arena. ``verify_resident`` checks every
 tensor against the checksums the daemon took after loading, so weights an
 earlier zero-copy engine wrote into are refused, not served.
 
-Modules, one concern each: :mod:`~preload.hf_attach.model` (the model
-built on meta and the tensors placed), :mod:`~preload.hf_attach.ranks`
+Modules, one concern each: :mod:`~preload.hf_attach.model` (the tensors
+placed in the model :mod:`preload.meta_model` builds on meta), :mod:`~preload.hf_attach.ranks`
 (which daemon serves this process), :mod:`~preload.hf_attach.attach`
 (:func:`attach_model`), :mod:`~preload.hf_attach.disk` (a rank from disk),
 :mod:`~preload.hf_attach.start` (:func:`load_rank`: events and the shared
@@ -32,7 +32,6 @@ from preload.hf_attach.attach import MODES, AttachedModel, attach_model
 from preload.hf_attach.disk import disk_model, disk_rank_tensors
 from preload.hf_attach.model import (
     AttachError,
-    build_meta_model,
     build_tp_model,
     place_tensors,
     place_tp_tensors,
@@ -40,6 +39,7 @@ from preload.hf_attach.model import (
 )
 from preload.hf_attach.ranks import RankMissError, daemon_gpus, find_rank
 from preload.hf_attach.start import MISSES, load_rank
+from preload.meta_model import build_meta_model
 
 __all__ = [
     "MISSES",

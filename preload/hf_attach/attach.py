@@ -18,11 +18,10 @@ from typing import Any
 
 import torch
 
+from pgbase.errors import CacheKeyMismatchError, WeightCacheUnavailableError
 from preload.checksum import VerifyReport, verify_resident
 from preload.client import State, Watch
-from preload.errors import CacheKeyMismatchError, WeightCacheUnavailableError
 from preload.hf_attach.model import (
-    build_meta_model,
     build_tp_model,
     place_tensors,
     place_tp_tensors,
@@ -36,6 +35,7 @@ from preload.hf_attach.ranks import (
     process_tp_rank,
 )
 from preload.identity.manifest import resolve_digest
+from preload.meta_model import build_meta_model
 from preload.sockets import socket_dir as digest_socket_dir
 from preload.transports.base import Attachment
 

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from preload.hf_attach.model import (
-    build_meta_model,
     build_tp_model,
     place_tensors,
     place_tp_tensors,
 )
+from preload.meta_model import build_meta_model
 
 
 def disk_rank_tensors(
@@ -27,8 +27,8 @@ def disk_rank_tensors(
     rank holds exactly what its daemon would have served."""
     from safetensors import safe_open
 
+    from pgbase.shards import shard_paths
     from preload.daemon.tp_slice import chunk, plan_slices
-    from preload.identity.shards import shard_paths
 
     out: dict[str, torch.Tensor] = {}
     for path in shard_paths(checkpoint):

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from pgbase.errors import CacheKeyMismatchError, ProtocolError, WeightCacheUnavailableError
 from preload.client import DaemonClient
-from preload.errors import CacheKeyMismatchError, ProtocolError, WeightCacheUnavailableError
 
 
 class RankMissError(WeightCacheUnavailableError):

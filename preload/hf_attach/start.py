@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from preload.errors import CacheKeyMismatchError, ProtocolError, WeightCacheUnavailableError
+from pgbase.errors import CacheKeyMismatchError, ProtocolError, WeightCacheUnavailableError
 from preload.hf_attach.attach import AttachedModel, attach_model
 from preload.hf_attach.disk import disk_model
 from preload.hf_attach.model import AttachError, tp_mesh

@@ -1,4 +1,7 @@
-"""Checkpoint identity: shard sets, digests, manifests and the cache key."""
+"""Checkpoint identity: digests, manifests, anchor schemes and the cache key.
+
+The shard set and its headers are :mod:`pgbase.shards` (fixtures read them too).
+"""
 
 from preload.identity.digest import checkpoint_digest, hash_shards
 from preload.identity.key import WeightCacheKey
@@ -10,7 +13,6 @@ from preload.identity.manifest import (
     resolve_digest,
     write_manifest,
 )
-from preload.identity.shards import read_header, shard_paths
 
 __all__ = [
     "Manifest",
@@ -20,8 +22,6 @@ __all__ = [
     "checkpoint_digest",
     "hash_shards",
     "load_manifest",
-    "read_header",
     "resolve_digest",
-    "shard_paths",
     "write_manifest",
 ]

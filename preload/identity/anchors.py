@@ -34,11 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fixtures.schemes import SAMPLE_BYTES, SCHEMES
-from preload.errors import CheckpointError
+from pgbase.errors import CheckpointError
+from pgbase.schemes import SAMPLE_BYTES, SCHEMES
+from pgbase.shards import INDEX_NAME, read_header, shard_paths
 from preload.identity.digest import content_digest
 from preload.identity.manifest import resolve_digest
-from preload.identity.shards import INDEX_NAME, read_header, shard_paths
 
 HEADER_IMPLS = ("auto", "vllm", "reimpl")
 CONTENT_MODES = ("full", "stat", "pinned")
@@ -125,6 +125,18 @@ def header_only(checkpoint: str | os.PathLike[str], implementation: str = "auto"
     if hex_ is None:
         raise CheckpointError(f"header_only found no local *.safetensors in {model}")
     return Fingerprint("header_only", hex_, label)
+
+
+def header_only_digest(checkpoint: str | os.PathLike[str]) -> str:
+    """The digest a cache keyed as vLLM keys it serves under: the installed
+    vLLM's own ``hash_checkpoint`` (never the reimplementation: this is the
+    key vLLM would compute), widened to 64 hex by SHA-256.
+
+    UNSAFE on purpose: the daemon's and the loader's ``unsafe_identity
+    header_only`` control for the gate. Two checkpoints with the same layout
+    and different values get the same digest.
+    """
+    return hashlib.sha256(header_only(checkpoint, "vllm").hex.encode()).hexdigest()
 
 
 # -- sampled_1k ---------------------------------------------------------------

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from preload.errors import CheckpointError
-from preload.identity.shards import shard_paths
+from pgbase.errors import CheckpointError
+from pgbase.shards import shard_paths
 
 CHUNK_BYTES = 8 << 20
 

@@ -37,12 +37,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from preload import _atomic, trust
-from preload.errors import CheckpointError, ManifestError, WriteError
+from pgbase import atomic
+from pgbase.errors import CheckpointError, ManifestError, WriteError
+from pgbase.fileset import select_files, servable
+from pgbase.shards import INDEX_NAME, check_unique_tensors, read_header
+from preload import trust
 from preload.identity.digest import checkpoint_digest, content_digest, hash_shards
-from preload.identity.fileset import select_files, servable
 from preload.identity.filestat import FileStat, stat_all
-from preload.identity.shards import INDEX_NAME, check_unique_tensors, read_header
 
 MANIFEST_VERSION = 2
 MODES = ("stat", "pinned", "full")
@@ -156,7 +157,7 @@ def build_manifest(
 ) -> Manifest:
     """Validate every header, hash every shard, and record what was hashed.
 
-    The shard set is vLLM's own selection (:mod:`preload.identity.fileset`).
+    The shard set is vLLM's own selection (:mod:`pgbase.fileset`).
     The stat of each shard and of the directory is taken before and after
     hashing; a change while reading is an error, not a manifest.
     """
@@ -198,7 +199,7 @@ def build_manifest(
 def write_manifest(manifest: Manifest, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     path = manifest_path(manifest.checkpoint, cache_dir)
     prepare_manifest_dir(path.parent)
-    _atomic.write_json(path, manifest.to_json(), mode=0o600)
+    atomic.write_json(path, manifest.to_json(), mode=0o600)
     return path
 
 

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from preload.errors import PreloadGateError
+from pgbase.errors import PreloadGateError
 from preload.trust import UNSAFE_CONTROLS_ENV, unsafe_controls_allowed
 
 LOAD_FORMAT = "verified_cache"

@@ -23,7 +23,7 @@ from vllm.model_executor.model_loader.utils import initialize_model, process_wei
 from vllm.model_executor.utils import weights_already_processed
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from preload.errors import (
+from pgbase.errors import (
     CacheKeyMismatchError,
     CheckpointError,
     ManifestError,
@@ -185,7 +185,7 @@ class VerifiedCacheLoader(BaseModelLoader):
     def _resolve(self, model_config: Any, event: LoadEvent) -> str:
         opts = self.opts
         if opts.unsafe_identity == "header_only":
-            from preload.daemon.rank import header_only_digest
+            from preload.identity.anchors import header_only_digest
 
             log.warning("UNSAFE: unsafe_identity=header_only: keying the cache by vLLM's header-only hash")
             event.identity = "header_only"

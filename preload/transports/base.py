@@ -2,14 +2,20 @@
 
 A transport knows bytes and where they live (a sealed memfd, a CUDA
 allocation); it knows nothing of vLLM, keys or sockets. Everything above it
-sees only this interface:
+sees only this interface and never asks which transport it has:
 
 - daemon side: ``create(layout)`` returns an :class:`Arena` whose
   ``views()`` are filled in place (so weights are never held twice), then
-  ``seal()`` makes it immutable and ``descriptor()``/``fds()`` describe it
-  for the wire (JSON-able, plus file descriptors for SCM_RIGHTS).
+  ``seal()`` ends every write through the arena and ``descriptor()``/``fds()``
+  describe it for the wire (JSON-able, plus file descriptors for SCM_RIGHTS).
 - engine side: ``attach(descriptor, fds, layout)`` maps it and returns an
-  :class:`Attachment` of tensors, one per layout entry.
+  :class:`Attachment` of tensors, one per layout entry;
+  :func:`preload.transports.transport_for` names the transport a
+  descriptor came from.
+- both sides: ``engines_can_write`` says whether an engine that attached
+  zero-copy can change the daemon's bytes. Where it can, the daemon takes
+  resident checksums before sealing and engines verify them after attaching
+  (:mod:`preload.checksum`); where it cannot, there is nothing to verify.
 
 All tensors of a rank live in one arena at aligned offsets: one handle to
 open instead of one per tensor.
@@ -108,13 +114,25 @@ class Arena(abc.ABC):
 
     layout: Layout
 
+    @property
+    @abc.abstractmethod
+    def engines_can_write(self) -> bool:
+        """Whether an engine attached zero-copy can change these bytes after ``seal()``."""
+
+    @property
+    def gpu_uuid(self) -> str | None:
+        """The GPU the bytes live on (``GPU-...``), None for host memory."""
+        return None
+
     @abc.abstractmethod
     def views(self) -> dict[str, torch.Tensor]:
-        """Writable views, one per entry; valid until ``seal()``."""
+        """Writable views, one per entry; after ``seal()`` a RuntimeError."""
 
     @abc.abstractmethod
     def seal(self) -> None:
-        """Make the arena immutable; ``views()`` may no longer be written."""
+        """End every write through this arena: what the views wrote has landed,
+        and ``views()`` refuses from now on. Whether other processes can still
+        write is ``engines_can_write``."""
 
     @abc.abstractmethod
     def descriptor(self) -> dict[str, Any]:
@@ -139,7 +157,15 @@ class Attachment(abc.ABC):
 
 
 class Transport(abc.ABC):
+    """One way to carry a rank's arena from a daemon to an engine."""
+
     name: str
+
+    @property
+    @abc.abstractmethod
+    def engines_can_write(self) -> bool:
+        """Whether an engine attached zero-copy can change the daemon's bytes
+        (then the engine verifies the resident checksums the daemon sent)."""
 
     @abc.abstractmethod
     def create(self, layout: Layout) -> Arena: ...

@@ -22,9 +22,10 @@ it releases the arena while an engine still maps it, torch keeps the block
 alive ("limbo") until that engine lets go, instead of freeing memory under
 it.
 
-Device memory cannot be sealed the way a memfd can: a zero-copy engine
-*can* write into the daemon's weights. ``preload.checksum`` detects that on
-the next attach (``verify_resident``).
+Device memory cannot be sealed the way a memfd can: ``seal()`` ends the
+daemon's own writes (its views are dropped), but a zero-copy engine *can*
+write into the daemon's weights through its mapping (``engines_can_write``).
+``preload.checksum`` detects that on the next attach (``verify_resident``).
 
 The descriptor names the GPU by UUID, not index: ``CUDA_VISIBLE_DEVICES``
 renumbers devices per process, and an engine must map the arena of the
@@ -41,7 +42,7 @@ from typing import Any
 
 import torch
 
-from preload.errors import WeightCacheUnavailableError
+from pgbase.errors import WeightCacheUnavailableError
 from preload.transports.base import Arena, Attachment, Layout, Transport, view
 
 ARENA = "arena"
@@ -197,8 +198,8 @@ def _flat(storage: torch.UntypedStorage, nbytes: int, device: int) -> torch.Tens
 class CudaArena(Arena):
     """Daemon side: the rank's tensors in one allocation (or one each, for comparison)."""
 
-    # No seal exists for device memory: a zero-copy engine can write here,
-    # so the daemon checksums the tensors (preload.checksum.resident_checksums).
+    # No write seal exists for device memory: a zero-copy engine can write
+    # here, so the daemon checksums the tensors (preload.checksum.resident_checksums).
     engines_can_write = True
 
     def __init__(self, layout: Layout, device: int, mode: str = ARENA) -> None:
@@ -221,26 +222,38 @@ class CudaArena(Arena):
                 for e, p in zip(layout.entries, self._parts, strict=True)
             }
         self.sealed = False
+        self.closed = False
+
+    @property
+    def gpu_uuid(self) -> str:
+        return self.uuid
 
     def views(self) -> dict[str, torch.Tensor]:
-        if self._views is None:
+        if self.closed:
             raise RuntimeError("the arena was closed")
+        if self.sealed or self._views is None:
+            raise RuntimeError("the arena is sealed; its views are gone")
         return self._views
 
     def seal(self) -> None:
-        """Wait for every copy into the arena to finish before it is shared.
+        """Wait for every copy into the arena to land, then drop the writable
+        views: nothing of the daemon's writes here again (``views()`` refuses).
 
-        Device memory has no write seal; ``preload.checksum`` stands in for it.
+        Engines still can (``engines_can_write``); the checksums taken
+        before sealing (``preload.checksum``) stand in for a write seal.
         """
+        if self.sealed:
+            return
         torch.cuda.synchronize(self.device)
+        self._views = None
         self.sealed = True
 
     def descriptor(self) -> dict[str, Any]:
         """A fresh export: call once per engine (each is one reference)."""
+        if self.closed:
+            raise RuntimeError("the arena was closed")
         if not self.sealed:
             raise RuntimeError("an unsealed arena must not be shared")
-        if self._views is None:
-            raise RuntimeError("the arena was closed")
         storages = [self.base.untyped_storage()] if self.base is not None else [
             p.untyped_storage() for p in self._parts
         ]
@@ -255,6 +268,7 @@ class CudaArena(Arena):
         self._views = None
         self.base = None
         self._parts = []
+        self.closed = True
         torch.cuda.synchronize(self.device)
         torch.cuda.ipc_collect()
         torch.cuda.empty_cache()
@@ -292,6 +306,7 @@ class CudaTransport(Transport):
     """
 
     name = "cuda"
+    engines_can_write = CudaArena.engines_can_write
 
     def __init__(self, device: int | None = None, mode: str = ARENA) -> None:
         self._device = device

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from preload.errors import WeightCacheUnavailableError
+from pgbase.errors import WeightCacheUnavailableError
 from preload.transports.base import Arena, Attachment, Layout, Transport, view
 
 F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
@@ -47,6 +47,10 @@ def _buffer_tensor(mapping: mmap.mmap) -> torch.Tensor:
 
 class ShmArena(Arena):
     """A memfd arena; ``views()`` are writable until ``seal()``."""
+
+    # Sealed F_SEAL_WRITE and mapped MAP_PRIVATE: an engine's write lands in
+    # its own copy-on-write page, never in these bytes.
+    engines_can_write = False
 
     def __init__(self, layout: Layout, name: str = "preload-gate-arena") -> None:
         self.layout = layout
@@ -124,6 +128,7 @@ class ShmTransport(Transport):
     """Sealed memfd arenas; engines map them MAP_PRIVATE (copy-on-write)."""
 
     name = "shm"
+    engines_can_write = ShmArena.engines_can_write
 
     def create(self, layout: Layout) -> ShmArena:
         return ShmArena(layout)

@@ -94,13 +94,13 @@ def run_row(row: dict[str, Any], handler: _Lines) -> dict[str, Any]:
 
     if inject == "release_fails":
         def release(self: Any) -> None:
-            from preload.errors import WeightCacheUnavailableError
+            from pgbase.errors import WeightCacheUnavailableError
 
             raise WeightCacheUnavailableError(f"daemon at {self.path} dropped the connection")
         patch(preload.client.DaemonClient, "release", release)
     elif inject == "attach_fails":
         def verify(tensors: Any, state: Any) -> None:
-            from preload.errors import WeightCacheUnavailableError
+            from pgbase.errors import WeightCacheUnavailableError
 
             raise WeightCacheUnavailableError(f"resident checksum mismatch on {sorted(tensors)[0]}")
         patch(preload.loader.resident, "verify_attached", verify)

@@ -34,8 +34,8 @@ pytest.importorskip("vllm")
 
 from safetensors.numpy import save_file  # noqa: E402
 
-from preload.errors import CheckpointError  # noqa: E402
-from preload.identity.fileset import (  # noqa: E402
+from pgbase.errors import CheckpointError  # noqa: E402
+from pgbase.fileset import (  # noqa: E402
     FileSet,
     SelectionError,
     mirror_selection,

@@ -19,8 +19,8 @@ pytest.importorskip("vllm")
 
 from safetensors.numpy import save_file  # noqa: E402
 
-from preload.errors import CheckpointError  # noqa: E402
-from preload.identity.fileset import vllm_selection  # noqa: E402
+from pgbase.errors import CheckpointError  # noqa: E402
+from pgbase.fileset import vllm_selection  # noqa: E402
 from preload.identity.manifest import build_manifest  # noqa: E402
 
 pytestmark = pytest.mark.cpu

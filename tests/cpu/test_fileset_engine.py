@@ -24,8 +24,8 @@ import pytest
 from daemon_support import Daemon, copy_checkpoint, short_dir
 from loader_support import run_engine
 
+from pgbase.fileset import vllm_selection
 from preload.events import read_events
-from preload.identity.fileset import vllm_selection
 from preload.identity.manifest import manifest_path
 from preload.promote import promote
 

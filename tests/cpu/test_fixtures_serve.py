@@ -16,8 +16,8 @@ import textwrap
 import pytest
 
 from fixtures.mutations import MUTATIONS
+from pgbase.shards import read_header
 from preload.identity import anchors
-from preload.identity.shards import read_header
 
 pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group(name="fixtures_serve")]
 

@@ -24,9 +24,9 @@ import torch
 from daemon_support import Daemon, copy_checkpoint, short_dir
 from loader_support import run_engine
 
+from pgbase.shards import shard_paths
 from preload.client import DaemonClient
 from preload.events import read_events
-from preload.identity.shards import shard_paths
 from preload.promote import promote
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group(name="loader_engines")]
@@ -79,7 +79,7 @@ def _snapshot(d: Daemon) -> dict[str, torch.Tensor]:
 
 def _daemon_key(d: Daemon) -> dict:
     """The daemon's own key, learned from a mismatch answer to a bogus key."""
-    from preload.errors import CacheKeyMismatchError
+    from pgbase.errors import CacheKeyMismatchError
     from preload.identity.key import WeightCacheKey
 
     c = DaemonClient.connect(d.socket_dir, 0)

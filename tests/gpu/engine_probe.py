@@ -34,7 +34,7 @@ def _free() -> int:
 def _disk_tensors(checkpoint: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from preload.identity.shards import shard_paths
+    from pgbase.shards import shard_paths
 
     out: dict[str, torch.Tensor] = {}
     for p in shard_paths(checkpoint):
@@ -165,12 +165,12 @@ def tp_slices(spec: dict[str, Any]) -> dict[str, Any]:
     the other rank's chunk is the control (it must differ)."""
     from safetensors.torch import load_file
 
+    from pgbase.shards import shard_paths
     from preload.checksum import verify_resident
     from preload.client import DaemonClient
     from preload.daemon.raw import raw_key
     from preload.daemon.tp_slice import chunk, plan_slices
     from preload.hf_attach import find_rank
-    from preload.identity.shards import shard_paths
     from preload.transports.cuda import device_uuid
 
     torch.cuda.init()

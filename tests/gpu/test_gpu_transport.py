@@ -92,3 +92,26 @@ def _last_json(text: str) -> dict:
     import json
 
     return json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
+
+
+def test_a_sealed_cuda_arena_refuses_the_daemons_own_writes() -> None:
+    """``seal()`` ends the daemon's writes as the shm seal does (views are
+    gone); engines still can, which the interface says (``engines_can_write``)."""
+    import torch
+
+    from preload.transports.base import Layout
+    from preload.transports.cuda import CudaTransport
+
+    arena = CudaTransport(0).create(Layout.plan([("w", torch.float32, (4,), "param")]))
+    try:
+        arena.views()["w"].fill_(1.0)  # control: writable before the seal
+        with pytest.raises(RuntimeError, match="unsealed"):
+            arena.descriptor()
+        arena.seal()
+        with pytest.raises(RuntimeError, match="sealed"):
+            arena.views()
+        assert arena.engines_can_write and str(arena.gpu_uuid).startswith("GPU-")
+        assert arena.descriptor()["gpu_uuid"] == arena.gpu_uuid
+    finally:
+        arena.close()
+

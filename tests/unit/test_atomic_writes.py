@@ -30,8 +30,8 @@ from reliability_support import (
     small_tmpfs,
 )
 
-from preload import _atomic
-from preload.errors import PreloadGateError
+from pgbase import atomic
+from pgbase.errors import PreloadGateError
 from preload.identity.manifest import load_manifest, manifest_path
 from preload.promote import promote
 
@@ -59,7 +59,7 @@ def _failed_write_outcome(
 ) -> tuple[bool, bytes | None, list[str]]:
     """Write OLD, then ``data`` (which must fail); report (raised, bytes now, leftovers)."""
     target = directory / "report.json"
-    _atomic.write_bytes(target, OLD)
+    atomic.write_bytes(target, OLD)
     raised = False
     try:
         write(target, data)
@@ -72,8 +72,8 @@ def _failed_write_outcome(
 
 def test_replace_is_whole_and_leaves_no_temp(tmp_path: Path) -> None:
     target = tmp_path / "golden.json"
-    _atomic.write_json(target, {"a": 1})
-    _atomic.write_json(target, {"a": 2})
+    atomic.write_json(target, {"a": 1})
+    atomic.write_json(target, {"a": 2})
     assert json.loads(target.read_text()) == {"a": 2}
     assert leftovers(tmp_path, {"golden.json"}) == []
     assert oct(target.stat().st_mode & 0o777) == oct(0o644)
@@ -85,7 +85,7 @@ def test_full_tmpfs_keeps_previous_file(tmp_path: Path) -> None:
         if reason:
             skip_privileged(f"no real full disk here ({reason}); see the simulated ENOSPC tests")
         big = b"x" * (256 << 10)  # four times the disk
-        raised, now, left = _failed_write_outcome(disk, _atomic.write_bytes, big)
+        raised, now, left = _failed_write_outcome(disk, atomic.write_bytes, big)
         assert raised, "a write 4x the disk size must fail with ENOSPC"
         assert now == OLD, "the previous file must survive a failed write"
         assert left == [], f"temporary files left behind: {left}"
@@ -163,15 +163,15 @@ def test_full_tmpfs_keeps_previous_reports(tmp_path: Path, monkeypatch: pytest.M
 def test_simulated_enospc_keeps_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str) -> None:
     """ENOSPC at each step of the write (NFS reports it as late as fsync)."""
     target = tmp_path / "manifest.json"
-    _atomic.write_bytes(target, OLD)
+    atomic.write_bytes(target, OLD)
 
     def enospc(*_a: object, **_k: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     if stage == "fsync":
-        monkeypatch.setattr(_atomic.os, "fsync", enospc)
+        monkeypatch.setattr(atomic.os, "fsync", enospc)
     elif stage == "replace":
-        monkeypatch.setattr(_atomic.os, "replace", enospc)
+        monkeypatch.setattr(atomic.os, "replace", enospc)
     else:
         real_fdopen = os.fdopen
 
@@ -193,9 +193,9 @@ def test_simulated_enospc_keeps_previous_file(tmp_path: Path, monkeypatch: pytes
                 enospc()
                 return 0
 
-        monkeypatch.setattr(_atomic.os, "fdopen", HalfWriter)
+        monkeypatch.setattr(atomic.os, "fdopen", HalfWriter)
     with pytest.raises(OSError) as info:
-        _atomic.write_bytes(target, b"new" * 1000)
+        atomic.write_bytes(target, b"new" * 1000)
     assert info.value.errno == errno.ENOSPC
     monkeypatch.undo()
     assert target.read_bytes() == OLD
@@ -206,14 +206,14 @@ def test_write_failure_is_one_named_error(tmp_path: Path, monkeypatch: pytest.Mo
     """A failed write names the file and is a PreloadGateError (the CLI's one
     line) while staying an OSError (callers that catch OSError still do)."""
     target = tmp_path / "report.json"
-    _atomic.write_bytes(target, OLD)
+    atomic.write_bytes(target, OLD)
 
     def enospc(*_a: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(_atomic.os, "fsync", enospc)
+    monkeypatch.setattr(atomic.os, "fsync", enospc)
     with pytest.raises(PreloadGateError) as info:
-        _atomic.write_json(target, {"new": True})
+        atomic.write_json(target, {"new": True})
     assert isinstance(info.value, OSError) and info.value.errno == errno.ENOSPC
     assert str(info.value) == (
         f"cannot write {target}: No space left on device; the previous file is unchanged"
@@ -226,12 +226,12 @@ def test_write_failure_is_one_named_error(tmp_path: Path, monkeypatch: pytest.Mo
 # Live log streams (a subprocess's stdout) are recognised by "log" in the
 # path expression and need no entry.
 NOT_RESULTS = {
-    ("harness/bench/identity.py", "_stream_shard"):
+    ("harness/bench/synthetic.py", "_stream_shard"):
         "streams a multi-GiB scratch checkpoint through its own temp file + os.replace",
     ("preload/daemon/proof.py", "_library_torch_form"):
         "a tiny probe file in its own TemporaryDirectory, read back by safetensors, then deleted",
 }
-SCANNED = ("preload", "harness", "canaries", "fixtures", "preload_gate")
+SCANNED = ("pgbase", "preload", "harness", "canaries", "fixtures", "preload_gate")
 
 
 def _non_atomic_writes(source: str, filename: str) -> list[tuple[int, str, str]]:
@@ -253,7 +253,7 @@ def _non_atomic_writes(source: str, filename: str) -> list[tuple[int, str, str]]
             f = node.func
             name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
             if name in ("write_text", "write_bytes") and not (
-                isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "_atomic"
+                isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "atomic"
             ):
                 found.append((node.lineno, self.func, name))
             elif name == "open" and isinstance(f, ast.Name):
@@ -274,12 +274,12 @@ def _non_atomic_writes(source: str, filename: str) -> list[tuple[int, str, str]]
 def test_scan_catches_a_naive_write() -> None:
     """Control for the scan: each naive form is found, atomic and append forms are not."""
     src = (
-        "from pathlib import Path\nfrom preload import _atomic\n"
+        "from pathlib import Path\nfrom pgbase import atomic\n"
         "def report(p):\n"
         "    Path(p).write_text('x')\n"
         "    with open(p, 'w') as f: f.write('x')\n"
         "    open(p, mode='wb').close()\n"
-        "    _atomic.write_text(p, 'x')\n"
+        "    atomic.write_text(p, 'x')\n"
         "    open(p, 'a').close()\n"
         "    open(log_path, 'wb').close()\n"
         "    open(p).read()\n"
@@ -291,15 +291,15 @@ def test_scan_catches_a_naive_write() -> None:
 
 def test_result_files_are_written_atomically() -> None:
     """Reports, manifests, golden files, fixtures: every replace-in-place write
-    in the project's packages goes through preload._atomic."""
+    in the project's packages goes through pgbase.atomic."""
     offenders = []
     for pkg in SCANNED:
         for path in sorted((REPO / pkg).rglob("*.py")):
             rel = path.relative_to(REPO).as_posix()
-            if rel == "preload/_atomic.py":
+            if rel == "pgbase/atomic.py":
                 continue
             for line, func, call in _non_atomic_writes(path.read_text(), rel):
                 if (rel, func) in NOT_RESULTS or (rel, "*") in NOT_RESULTS:
                     continue
                 offenders.append(f"{rel}:{line} in {func}(): {call}")
-    assert offenders == [], "non-atomic writes (use preload._atomic):\n" + "\n".join(offenders)
+    assert offenders == [], "non-atomic writes (use pgbase.atomic):\n" + "\n".join(offenders)

@@ -31,7 +31,7 @@ from reliability_support import (
     short_tempdir,
 )
 
-from preload.errors import PreloadGateError
+from pgbase.errors import PreloadGateError
 from preload.identity.manifest import manifest_path
 
 pytestmark = [pytest.mark.unit, pytest.mark.xdist_group(name="reliability_badckpt")]
@@ -60,7 +60,8 @@ def _serve_rank(ckpt: Path, sockets: Path, expected_digest: str | None) -> str:
     """The rank process's own entry, in-process: it must raise before serving."""
     import threading
 
-    from preload.daemon.rank import RankConfig, serve_rank
+    from preload.daemon.rank import serve_rank
+    from preload.daemon.stage import RankConfig
 
     cfg = RankConfig(checkpoint=str(ckpt), stage="raw", socket_root=str(sockets), expected_digest=expected_digest)
     announced: list[dict] = []

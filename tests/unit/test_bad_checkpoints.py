@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.mutations import copy_checkpoint
-from preload.identity.shards import read_header, shard_paths
+from pgbase.shards import read_header, shard_paths
 from preload_gate.cli import main
 
 pytestmark = pytest.mark.unit

@@ -10,8 +10,8 @@ import pytest
 
 from canaries import golden as golden_mod
 from canaries.errors import GoldenError
-from preload.errors import CheckpointError
-from preload.identity.shards import shard_paths
+from pgbase.errors import CheckpointError
+from pgbase.shards import shard_paths
 
 pytestmark = pytest.mark.unit
 

@@ -177,7 +177,7 @@ def test_resident_checksums_only_for_arenas_engines_can_write() -> None:
     layout, _base, tensors = _arena(SPECS)
 
     class Sealed:
-        pass
+        engines_can_write = False
 
     class Writable:
         engines_can_write = True

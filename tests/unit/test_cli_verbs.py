@@ -213,3 +213,16 @@ def test_a_marked_row_module_without_its_extra_reports_not_run(fake_modules, mon
     assert "preload-gate[gpu]" in (results[0].not_run or "")
     with pytest.raises(bench.BenchError, match="rows of pg_fake_gpu_rows not loaded"):
         bench.run_rows(bench.BenchOptions(), only=["some_gpu_row"])
+
+
+def test_readme_architecture_names_each_verbs_module() -> None:
+    """README "Architecture" says where each verb lives; it is VERBS's word."""
+    import re
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+    said: dict[str, str] = {}
+    for verbs, module in re.findall(r"^\| ((?:`[a-z]+`(?:, )?)+) \| `([a-z_.]+)`", section, re.M):
+        for verb in re.findall(r"`([a-z]+)`", verbs):
+            said[verb] = module
+    assert said == {name: verb.module for name, verb in cli.VERBS.items()}

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from preload.errors import WeightCacheUnavailableError
-from preload.transports import get_transport
+from pgbase.errors import WeightCacheUnavailableError
+from preload.transports import get_transport, transport_for
 from preload.transports.base import Layout
 from preload.transports.cuda import ARENA, PER_TENSOR, CudaTransport, IpcHandle, parse_descriptor
 
@@ -97,6 +97,20 @@ def test_control_the_unbroken_descriptor_parses() -> None:
 def test_transport_is_selectable_by_name_and_imports_without_cuda() -> None:
     t = get_transport("cuda")
     assert isinstance(t, CudaTransport) and t.name == "cuda"
+
+
+@pytest.mark.parametrize(("kind", "can_write"), [("cuda", True), ("shm", False)])
+def test_a_descriptor_names_its_transport_and_whether_engines_can_write(kind: str, can_write: bool) -> None:
+    """Callers above the transports ask the interface, never the kind: a CUDA
+    arena has no write seal (engines verify checksums), a sealed memfd does."""
+    t = transport_for({"kind": kind, "size": 0})
+    assert t.name == kind and t.engines_can_write is can_write
+    assert get_transport(kind).engines_can_write is can_write
+
+
+def test_a_descriptor_of_no_known_transport_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown transport"):
+        transport_for({"size": 0})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")

@@ -25,12 +25,12 @@ from safetensors.torch import load_file
 
 from canaries.claims import parse_metrics
 from canaries.errors import GoldenError
+from pgbase.errors import CacheKeyMismatchError, InsecureSocketError
+from pgbase.shards import shard_paths
 from preload import protocol
 from preload.client import DaemonClient, Watch
 from preload.daemon.health import HealthServer
 from preload.daemon.raw import raw_key
-from preload.errors import CacheKeyMismatchError, InsecureSocketError
-from preload.identity.shards import shard_paths
 from preload.promote import promote
 
 pytestmark = [pytest.mark.unit, pytest.mark.xdist_group(name="daemon_raw")]

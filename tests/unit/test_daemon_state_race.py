@@ -26,13 +26,13 @@ from pathlib import Path
 import pytest
 from reliability_support import fresh_checkpoint, short_tempdir
 
+from pgbase.errors import PreloadGateError
 from preload import protocol
 from preload.client import DaemonClient
 from preload.daemon.lock import RankLock
 from preload.daemon.raw import fill_raw
 from preload.daemon.server import RankServer
 from preload.daemon.stage import Filled
-from preload.errors import PreloadGateError
 from preload.transports import get_transport
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]

@@ -45,9 +45,9 @@ from reliability_support import (
     tensor_digests,
 )
 
+from pgbase.errors import PreloadGateError, ProtocolError, WeightCacheUnavailableError
 from preload.client import DaemonClient, Watch
 from preload.daemon.raw import raw_key
-from preload.errors import PreloadGateError, ProtocolError, WeightCacheUnavailableError
 from preload.protocol import DEFAULT_DEADLINE_S
 
 pytestmark = [pytest.mark.unit, pytest.mark.xdist_group(name="reliability_faults")]

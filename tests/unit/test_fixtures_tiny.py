@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from fixtures.tiny import FixtureError, write_tiny
+from pgbase.shards import INDEX_NAME, read_header, shard_paths
 from preload.identity import anchors
-from preload.identity.shards import INDEX_NAME, read_header, shard_paths
 
 pytestmark = pytest.mark.unit
 

@@ -374,7 +374,7 @@ def test_deep_nesting_is_a_protocol_error() -> None:
     """Regression (found by this fuzzer): json.loads raises RecursionError on
     deep nesting, which escaped decode() and killed the connection's thread
     with a traceback. It is a bad frame like any other."""
-    from preload.errors import ProtocolError
+    from pgbase.errors import ProtocolError
     from preload.protocol import decode
 
     with pytest.raises(ProtocolError, match="nests JSON too deeply"):

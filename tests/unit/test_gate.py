@@ -27,7 +27,7 @@ from harness.mutations import (
     select_cases,
 )
 from harness.verdict import BLOCK, NOT_RUN, PASS, Verdict
-from preload.errors import CheckpointError
+from pgbase.errors import CheckpointError
 
 pytestmark = pytest.mark.unit
 DIGEST = "d" * 64

@@ -88,7 +88,7 @@ def test_meta_model_on_attached_tensors_decodes_like_from_pretrained(raw_daemon:
 
 
 def test_verify_against_a_daemon_without_checksums_is_refused_not_skipped(raw_daemon: dict[str, Any]) -> None:
-    from preload.errors import WeightCacheUnavailableError
+    from pgbase.errors import WeightCacheUnavailableError
     from preload.hf_attach import attach_model
 
     with pytest.raises(WeightCacheUnavailableError, match="no resident checksums"):

@@ -35,8 +35,8 @@ from reliability_support import (
     skip_privileged,
 )
 
+from pgbase.errors import InsecureSocketError, WeightCacheUnavailableError
 from preload.client import DaemonClient
-from preload.errors import InsecureSocketError, WeightCacheUnavailableError
 from preload.identity.key import PROTOCOL_VERSION
 from preload.sockets import socket_dir
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from fixtures.mutations import by_name, copy_checkpoint
-from preload.errors import CheckpointError
+from pgbase.errors import CheckpointError
 from preload.identity import anchors
 from preload.identity.manifest import StaleManifestError
 

@@ -33,9 +33,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
+from pgbase.errors import CheckpointError
+from pgbase.shards import read_header
 from preload.daemon.proof import ProvenShard, torch_dtype, torch_shape
-from preload.errors import CheckpointError
-from preload.identity.shards import read_header
 
 pytestmark = pytest.mark.unit
 
@@ -264,7 +264,7 @@ def test_field_c05_metadata_values(tmp_path, meta, opens):
 
 def test_packed_f4_shape_is_the_librarys():
     """F4 packs two values per byte: the torch tensor's last dimension halves, as the library has it."""
-    from preload.identity.shards import TensorInfo
+    from pgbase.shards import TensorInfo
 
     info = TensorInfo("w", "F4", (3, 4), 0, 6)
     assert torch_shape(info, "s") == (3, 2)

@@ -15,8 +15,8 @@ import torch
 
 from fixtures.mutations import MUTATIONS, SCHEMES, MutationError, by_name, copy_checkpoint
 from fixtures.shardfile import decode
+from pgbase.shards import read_header, shard_paths
 from preload.identity import anchors
-from preload.identity.shards import read_header, shard_paths
 
 pytestmark = pytest.mark.unit
 

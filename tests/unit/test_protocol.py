@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from pgbase.errors import ProtocolError
 from preload import protocol
-from preload.errors import ProtocolError
 
 pytestmark = pytest.mark.unit
 

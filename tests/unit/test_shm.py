@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from preload.errors import WeightCacheUnavailableError
+from pgbase.errors import WeightCacheUnavailableError
 from preload.transports import get_transport
 from preload.transports.base import Layout
 from preload.transports.shm import F_GET_SEALS, SEALS, ShmTransport

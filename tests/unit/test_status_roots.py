@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from daemon_support import REPO, Daemon, short_dir
 
-from preload import _atomic
+from pgbase import atomic
 from preload.client import DaemonClient
 from preload.daemon import registry
 from preload.promote import promote
@@ -69,7 +69,7 @@ def test_plain_status_lists_a_daemon_under_a_custom_root(tiny_ckpt: Path, tmp_pa
         entry.unlink()
         blind = json.loads(_cli(env, "status", "--json").stdout)
         assert _ours(blind, sdir) == [] and str(root) not in blind["socket_roots"]
-        _atomic.write_bytes(entry, saved, mode=0o600)
+        atomic.write_bytes(entry, saved, mode=0o600)
     finally:
         d.stop()
     # A stopped daemon takes its entry (and its socket directory) with it.

@@ -54,7 +54,7 @@ class InsecureSocketError(WeightCacheUnavailableError):
 class WriteError(PreloadGateError, OSError):
     """A result file (manifest, report, golden) could not be written.
 
-    Raised by ``preload._atomic`` after it removed its temporary file, so the
+    Raised by ``pgbase.atomic`` after it removed its temporary file, so the
     previous file is intact. It is an OSError too (``errno`` is the cause's),
     so callers that catch OSError keep working, and a PreloadGateError, so
     the CLI prints it as one line instead of a traceback.

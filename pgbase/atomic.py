@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from preload.errors import WriteError
+from pgbase.errors import WriteError
 
 
 def write_bytes(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from preload.errors import CheckpointError
+from pgbase.errors import CheckpointError
 
 HF_INDEX = "model.safetensors.index.json"
 MISTRAL_INDEX = "consolidated.safetensors.index.json"

@@ -1,6 +1,6 @@
 """The shard set of a checkpoint and each shard's header, by their owners' rules.
 
-The shard set is the one vLLM's loader reads (:mod:`preload.identity.fileset`:
+The shard set is the one vLLM's loader reads (:mod:`pgbase.fileset`:
 vLLM's own ``_prepare_weights`` when it imports, a mirror proven equal when
 not). A header is valid exactly when the safetensors library opens the file;
 its names, dtypes and shapes are the library's, and our offsets must agree
@@ -20,8 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from preload.errors import CheckpointError
-from preload.identity.fileset import select_files, servable
+from pgbase.errors import CheckpointError
+from pgbase.fileset import select_files, servable
 
 INDEX_NAME = "model.safetensors.index.json"
 # safetensors itself refuses headers above 100 MB.
@@ -63,7 +63,7 @@ def shard_paths(checkpoint: str | os.PathLike[str], prefer_vllm: bool = True) ->
     """The weight shards vLLM's ``auto`` loader reads, sorted by the byte order of their names.
 
     The selection is vLLM's own when vLLM imports (``prefer_vllm``), else the
-    mirror proven equal to it (:mod:`preload.identity.fileset`); a set the
+    mirror proven equal to it (:mod:`pgbase.fileset`); a set the
     cache cannot serve exactly (``.bin`` weights) is a CheckpointError.
 
     >>> shard_paths("/models/smollm2")  # doctest: +SKIP

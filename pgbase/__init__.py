@@ -1,0 +1,15 @@
+"""pgbase: what every layer of preload-gate shares, and nothing above it.
+
+One module per concern, each importable without torch or vLLM:
+
+- :mod:`pgbase.errors`: the typed failures (``PreloadGateError`` and its
+  children) that the CLI prints as one line;
+- :mod:`pgbase.atomic`: whole-or-nothing file writes (manifests, reports,
+  golden files, fixtures);
+- :mod:`pgbase.fileset`: which weight files vLLM's loader reads;
+- :mod:`pgbase.shards`: that shard set and each shard's safetensors header,
+  valid by the safetensors library's own rules.
+
+``fixtures`` and ``preload`` stand on this package; it imports neither
+(tests/unit/test_import_graph.py holds the arrows).
+"""
