@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.engine import EXECUTOR_ENV
+
 T0 = time.monotonic()
 
 
@@ -83,6 +85,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["data_parallel_size"] = spec["data_parallel_size"]
     if spec.get("extra_config") is not None:
         kwargs["model_loader_extra_config"] = spec["extra_config"]
+    # harness.engine.engine_executor chose it (and set vLLM's multiprocessing switch to match).
+    if os.environ.get(EXECUTOR_ENV) == "uni":
+        kwargs["distributed_executor_backend"] = "uni"
     llm = LLM(**kwargs)
     marks["ready"] = time.monotonic() - T0
     params = SamplingParams(
