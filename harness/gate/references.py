@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from harness.engine import EngineResult, EngineSpec
+from harness.engine import EngineResult, EngineSpec, engine_executor
 from harness.gate.options import GateSetupError
 from pgbase import atomic
 from preload import trust
@@ -42,8 +42,11 @@ class ReferenceCache:
         self.root = Path(root)
 
     def key(self, digest: str, spec: EngineSpec, version: str | None) -> str:
+        # The executor is part of how the answers were computed (thread counts
+        # differ between vLLM's processes and one): a reference is reused only
+        # under the executor the cached engine runs under.
         blob = json.dumps({"digest": digest, **answer_identity(spec.checkpoint), "settings": spec.settings(),
-                           "vllm": version}, sort_keys=True)
+                           "executor": engine_executor(spec), "vllm": version}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def get(self, key: str) -> EngineResult | None:

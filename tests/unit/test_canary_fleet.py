@@ -364,6 +364,10 @@ def test_reference_cache_key_covers_config_and_tokenizer(tmp_path, tiny_ckpt) ->
     # and the settings: float16 is another reference than bfloat16
     assert rc.key(DIGEST, EngineSpec(checkpoint=str(tiny_ckpt), dtype="float16"), "0.32.0") != \
         rc.key(DIGEST, EngineSpec(checkpoint=str(tiny_ckpt)), "0.32.0")
+    # and the executor the answers were computed under (harness.engine.engine_executor)
+    mp = EngineSpec(checkpoint=str(tiny_ckpt), env={"PRELOAD_GATE_ENGINE_EXECUTOR": "mp"})
+    uni = EngineSpec(checkpoint=str(tiny_ckpt), env={"PRELOAD_GATE_ENGINE_EXECUTOR": "uni"})
+    assert rc.key(DIGEST, mp, "0.32.0") != rc.key(DIGEST, uni, "0.32.0")
 
 
 def test_check_settings_are_checked_before_any_request(tmp_path, capsys) -> None:
