@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 from pgbase.errors import PreloadGateError
+from preload.identity.filestat import STAT_BLIND_FILESYSTEMS, filesystem_type
 from preload.identity.manifest import Manifest, build_manifest, write_manifest
 from preload.preflight import preflight_promote
 from preload.sockets import ensure_private_dir, socket_dir
@@ -43,6 +45,9 @@ class Promotion:
             "files": [s.name for s in self.manifest.shards],
             "selection": self.manifest.selection,
             "sha256sum_command": sha256sum_command(self.manifest),
+            # False on a filesystem whose stat cannot see every edit (tmpfs):
+            # engines there need identity pinned (this digest) or full.
+            "stat_identity": filesystem_type(self.manifest.checkpoint) not in STAT_BLIND_FILESYSTEMS,
         }
 
 
@@ -88,4 +93,10 @@ def promote(
             "choose a writable --socket-root (or PRELOAD_GATE_SOCKET_ROOT)"
         ) from exc
     path = write_manifest(manifest, cache_dir)
+    fstype = filesystem_type(manifest.checkpoint)
+    if fstype in STAT_BLIND_FILESYSTEMS:
+        logging.getLogger("preload.promote").warning(
+            "%s is on %s, where writes through mmap change no stat field: engines in identity mode "
+            "'stat' will miss here; start them with identity 'pinned' and expected_digest %s (or 'full')",
+            manifest.checkpoint, fstype, manifest.digest)
     return Promotion(manifest, path, sdir)

@@ -14,6 +14,14 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+# Filesystems whose stat does not see every edit: on tmpfs and ramfs a write
+# through a shared mapping (numpy.memmap(mode="r+"), mmap) changes no size,
+# mtime or ctime, neither then nor at msync/munmap (shmem has no writeback to
+# stamp them), so a stat check there cannot tell edited bytes from promoted
+# ones. Disk filesystems stamp mtime/ctime at the first write fault of a clean
+# page (page_mkwrite), so an edit after promotion shows.
+STAT_BLIND_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
 # Stats in flight at once; each waits one round trip on remote storage.
 MAX_STATS_IN_FLIGHT = 1024
 # A parked stat worker exits after this long without work.
@@ -37,6 +45,37 @@ class FileStat:
         return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
 
+
+
+def filesystem_type(path: str | os.PathLike[str]) -> str:
+    """The type of the filesystem ``path`` lives on (``"ext4"``, ``"tmpfs"``,
+    ``"nfs4"``...): one stat of ``path``, then :func:`filesystem_type_of_dev`.
+
+    >>> filesystem_type("/proc")
+    'proc'
+    """
+    return filesystem_type_of_dev(os.stat(path).st_dev)
+
+
+def filesystem_type_of_dev(dev: int) -> str:
+    """The type of the mounted filesystem whose device is ``dev`` (a stat's
+    ``st_dev``), from the kernel's ``/proc/self/mountinfo`` (proc(5): field 3
+    is ``major:minor``, the type follows the `` - `` separator). A local read,
+    no I/O on that filesystem, so the restart check can ask it about the
+    stats it already took. ``""`` when unknown (no /proc, no such mount).
+    """
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if sep and len(fields) >= 3 and fields[2] == want and right.split():
+            return right.split()[0]
+    return ""
 
 
 class _StatWorkers:

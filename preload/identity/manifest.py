@@ -43,7 +43,12 @@ from pgbase.fileset import select_files, servable
 from pgbase.shards import INDEX_NAME, check_unique_tensors, read_header
 from preload import trust
 from preload.identity.digest import checkpoint_digest, content_digest, hash_shards
-from preload.identity.filestat import FileStat, stat_all
+from preload.identity.filestat import (
+    STAT_BLIND_FILESYSTEMS,
+    FileStat,
+    filesystem_type_of_dev,
+    stat_all,
+)
 
 MANIFEST_VERSION = 2
 MODES = ("stat", "pinned", "full")
@@ -68,6 +73,12 @@ class Manifest:
     # The directory's own stat (entries added, removed, renamed), the index
     # vLLM consults for this file set, and who picked the files.
     dir_stat: FileStat | None = None
+    # Every folder below it, by relative path: vLLM's `auto` switches to the
+    # mistral file set when a consolidated*.safetensors exists at ANY depth
+    # (vllm.transformers_utils.repo_utils.list_repo_files: rglob("*")), and a
+    # file added to a folder changes only that folder's stat. None: a
+    # manifest from before they were recorded (stale by construction).
+    subdir_stats: dict[str, FileStat] | None = None
     index_file: str = INDEX_NAME
     selection: str = ""
     created: float = field(default_factory=time.time)
@@ -95,6 +106,7 @@ class Manifest:
             )
             index = obj.get("index_stat")
             dir_stat = obj.get("dir_stat")
+            subdirs = obj.get("subdir_stats")
             return cls(
                 checkpoint=obj["checkpoint"],
                 digest=obj["digest"],
@@ -102,6 +114,7 @@ class Manifest:
                 shards=shards,
                 index_stat=FileStat(**index) if index else None,
                 dir_stat=FileStat(**dir_stat) if dir_stat else None,
+                subdir_stats=None if subdirs is None else {k: FileStat(**v) for k, v in subdirs.items()},
                 index_file=obj.get("index_file", INDEX_NAME),
                 selection=obj.get("selection", ""),
                 created=obj.get("created", 0.0),
@@ -165,6 +178,7 @@ def build_manifest(
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint directory {ckpt} does not exist")
     dir_before = FileStat.of(ckpt)
+    subdirs_before = subdir_stats(ckpt)
     fs = servable(select_files(ckpt))
     paths = fs.paths
     headers = []
@@ -181,7 +195,7 @@ def build_manifest(
         if after != before[p.name]:
             raise CheckpointError("shard changed while it was being hashed; promote again", p.name)
         records.append(ShardRecord(p.name, after.size, digests[p.name], after))
-    if FileStat.of(ckpt) != dir_before:
+    if FileStat.of(ckpt) != dir_before or subdir_stats(ckpt) != subdirs_before:
         raise CheckpointError(f"files were added, removed or renamed in {ckpt} while it was hashed; promote again")
     index = ckpt / fs.index_file
     return Manifest(
@@ -191,9 +205,23 @@ def build_manifest(
         shards=tuple(records),
         index_stat=FileStat.of(index) if index.is_file() else None,
         dir_stat=dir_before,
+        subdir_stats=subdirs_before,
         index_file=fs.index_file,
         selection=fs.source,
     )
+
+
+def subdir_stats(checkpoint: str | os.PathLike[str]) -> dict[str, FileStat]:
+    """The stat of every folder below ``checkpoint`` (hidden ones too, links
+    not followed), keyed by relative POSIX path; see ``Manifest.subdir_stats``."""
+    root = Path(checkpoint)
+    out: dict[str, FileStat] = {}
+    for top, dirs, _ in os.walk(root, followlinks=False):
+        for d in dirs:
+            p = Path(top, d)
+            if not p.is_symlink():
+                out[p.relative_to(root).as_posix()] = FileStat.of(p)
+    return out
 
 
 def write_manifest(manifest: Manifest, cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -274,13 +302,21 @@ def stale_reason(checkpoint: str | os.PathLike[str], manifest: Manifest) -> tupl
     """Why ``manifest`` no longer describes the checkpoint, as ``(reason,
     shard)``, or None if it does.
 
-    One concurrent round of stats (directory, index, every shard); no file
-    is opened and nothing is listed.
+    One concurrent round of stats (directory, every folder below it, index,
+    every shard); no checkpoint file is opened and nothing is listed. The
+    filesystem type of the directory's device comes from
+    /proc/self/mountinfo: on a stat-blind one
+    (``STAT_BLIND_FILESYSTEMS``) the manifest cannot be trusted by stats.
     """
     ckpt = Path(checkpoint)
     if manifest.dir_stat is None:
         return "the manifest predates directory stats", None
-    targets = [ckpt, ckpt / manifest.index_file] + [ckpt / r.name for r in manifest.shards]
+    if manifest.subdir_stats is None:
+        return "the manifest predates subfolder stats", None
+    subdirs = sorted(manifest.subdir_stats)
+    n_shards = len(manifest.shards)
+    targets = ([ckpt, ckpt / manifest.index_file] + [ckpt / r.name for r in manifest.shards]
+               + [ckpt / d for d in subdirs])
     now = stat_all(targets)
     fields = ("size", "mtime_ns", "ctime_ns", "ino", "dev")
 
@@ -290,6 +326,12 @@ def stale_reason(checkpoint: str | os.PathLike[str], manifest: Manifest) -> tupl
     d = now[0]
     if isinstance(d, OSError):
         return f"cannot stat the checkpoint directory: {d}", None
+    # Asked of the stat just taken (its device), so it costs no round trip.
+    fstype = filesystem_type_of_dev(d.dev)
+    if fstype in STAT_BLIND_FILESYSTEMS:
+        return (f"the checkpoint is on {fstype}, where a write through mmap changes no stat field, so stats "
+                "cannot prove the bytes are the promoted ones; use identity 'pinned' (expected_digest from "
+                "promote) or 'full'"), None
     if d != manifest.dir_stat:
         return (f"files were added, removed or renamed in the checkpoint directory ({diff(d, manifest.dir_stat)}), "
                 "so vLLM's file set may differ"), None
@@ -297,11 +339,15 @@ def stale_reason(checkpoint: str | os.PathLike[str], manifest: Manifest) -> tupl
     idx_now = None if isinstance(idx, OSError) else idx
     if idx_now != manifest.index_stat:
         return f"{manifest.index_file} changed", manifest.index_file
-    for rec, st in zip(manifest.shards, now[2:], strict=True):
+    for rec, st in zip(manifest.shards, now[2:2 + n_shards], strict=True):
         if isinstance(st, OSError):
             return f"{rec.name} is missing ({st})", rec.name
         if st != rec.stat:
             return f"{rec.name} changed ({diff(st, rec.stat)})", rec.name
+    for sub, st in zip(subdirs, now[2 + n_shards:], strict=True):
+        if isinstance(st, OSError) or st != manifest.subdir_stats[sub]:
+            return (f"files were added, removed or renamed under {sub}/, so vLLM's file set may differ "
+                    "(a consolidated*.safetensors at any depth switches it)"), None
     return None
 
 

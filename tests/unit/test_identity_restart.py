@@ -17,7 +17,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import mmap
 import os
+import pathlib
+import shutil
+import tempfile
 import threading
 
 import numpy as np
@@ -90,6 +95,84 @@ def test_a_new_consolidated_file_is_seen_by_the_directory_stat(promoted):
     err, counts, before, after = _stale(ckpt, cache)
     assert "added, removed or renamed" in str(err) and err.shard is None
     assert counts.opens == 0 and after == before
+
+
+def test_a_consolidated_file_in_an_existing_subfolder_is_seen(promoted):
+    """vLLM's auto looks for consolidated*.safetensors at any depth (rglob), so
+    a file added inside a folder that already existed switches its file set,
+    and only that folder's stat changes (the top directory's does not)."""
+    ckpt, cache, _ = promoted
+    (ckpt / "original").mkdir()
+    promote(ckpt, socket_root=ckpt.parent / "sock", cache_dir=cache, progress=False)
+    top = os.stat(ckpt)
+    save_file({"w": np.zeros(2, dtype=np.float32)}, str(ckpt / "original" / "consolidated.safetensors"))
+    assert os.stat(ckpt).st_mtime_ns == top.st_mtime_ns  # the top directory saw nothing
+    err, counts, before, after = _stale(ckpt, cache)
+    assert "under original/" in str(err) and err.shard is None
+    assert counts.opens == 0 and after == before
+
+
+def test_a_manifest_without_subfolder_stats_is_stale(promoted):
+    ckpt, cache, p = promoted
+    old = dataclasses.replace(p.manifest, subdir_stats=None)
+    assert manifest_mod.stale_reason(ckpt, old) == ("the manifest predates subfolder stats", None)
+    assert manifest_mod.stale_reason(ckpt, p.manifest) is None  # control
+
+
+def _mmap_zero_tail(shard) -> None:
+    """Zero the last 4 bytes of ``shard`` in place through a shared mapping,
+    after reading them first (as numpy.memmap(mode="r+") code does)."""
+    with open(shard, "r+b") as f, mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED) as mm:
+        assert mm[-4:] != b"\0" * 4
+        mm[-4:] = b"\0" * 4
+        mm.flush()
+
+
+@pytest.fixture
+def tmpfs_dir(tmp_path):
+    shm = "/dev/shm"
+    if filestat_mod.filesystem_type(shm) != "tmpfs" or not os.access(shm, os.W_OK):
+        pytest.skip("no writable tmpfs at /dev/shm on this machine")
+    d = tempfile.mkdtemp(prefix="pg-tmpfs-", dir=shm)
+    yield pathlib.Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_on_tmpfs_stats_cannot_see_an_mmap_edit_so_stat_mode_misses(tiny_checkpoint, tmpfs_dir, tmp_path):
+    """The field case: a checkpoint on /dev/shm, edited in place through mmap
+    after promotion. No stat field changes, so a stat check alone would hit on
+    the promoted digest while the bytes are new; stat mode refuses tmpfs."""
+    ckpt = copy_checkpoint(tiny_checkpoint(shards=2), tmpfs_dir / "ckpt")
+    cache = tmp_path / "cache"
+    p = promote(ckpt, socket_root=tmp_path / "sock", cache_dir=cache, progress=False)
+    shard = ckpt / p.manifest.shards[0].name
+    before = FileStat.of(shard)
+    _mmap_zero_tail(shard)
+    # The hole is real here: same stat, other bytes.
+    assert FileStat.of(shard) == before
+    assert anchors.content(ckpt, "full") != p.digest
+    err, counts, mbefore, mafter = _stale(ckpt, cache)
+    assert "tmpfs" in str(err) and "pinned" in str(err)
+    assert counts.opens == 0 and mafter == mbefore
+    assert not p.to_json()["stat_identity"]
+
+
+def test_control_on_a_disk_filesystem_the_same_promotion_resolves(tiny_checkpoint, tmp_path):
+    """The neighbour row: the same checkpoint on the machine's disk resolves in
+    stat mode, so the tmpfs refusal above is the filesystem rule, not the edit."""
+    if filestat_mod.filesystem_type(tmp_path) in filestat_mod.STAT_BLIND_FILESYSTEMS:
+        pytest.skip("tmp_path is itself on a stat-blind filesystem")
+    ckpt = copy_checkpoint(tiny_checkpoint(shards=2), tmp_path / "ckpt")
+    p = promote(ckpt, socket_root=tmp_path / "sock", cache_dir=tmp_path / "cache", progress=False)
+    assert resolve_digest(ckpt, mode="stat", cache_dir=tmp_path / "cache").digest == p.digest
+    assert p.to_json()["stat_identity"]
+
+
+def test_filesystem_type_reads_mountinfo() -> None:
+    assert filestat_mod.filesystem_type("/proc") == "proc"
+    assert filestat_mod.filesystem_type("/proc/self/status") == "proc"  # its own mount, not "/"
+    assert filestat_mod.filesystem_type_of_dev(os.stat("/proc").st_dev) == "proc"
+    assert filestat_mod.filesystem_type("/") not in ("", "proc")
 
 
 def test_missing_manifest_names_the_command(tiny_ckpt, tmp_path):
@@ -268,7 +351,8 @@ def _thousand_shards(tmp_path):
     records = tuple(manifest_mod.ShardRecord(n, 1, "0" * 64, FileStat.of(ckpt / n)) for n in names)
     return ckpt, manifest_mod.Manifest(
         checkpoint=str(ckpt), digest="0" * 64, config_digest=None, shards=records,
-        index_stat=FileStat.of(ckpt / "model.safetensors.index.json"), dir_stat=FileStat.of(ckpt))
+        index_stat=FileStat.of(ckpt / "model.safetensors.index.json"), dir_stat=FileStat.of(ckpt),
+        subdir_stats={})
 
 
 @pytest.mark.parametrize("limit", [None, 64], ids=["one-round", "strided"])
