@@ -14,10 +14,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 log = logging.getLogger("preload.load")
+# A hit is INFO; inheriting the root's WARNING would drop it wherever the
+# host configured logging. An app that wants hits quiet sets this level itself.
+if log.level == logging.NOTSET:
+    log.setLevel(logging.INFO)
 
 EVENTS_ENV = "PRELOAD_GATE_EVENTS"
 OUTCOMES = ("hit", "miss", "error")
@@ -53,6 +58,59 @@ class LoadEvent:
         return asdict(self)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time (as logging's own
+    last-resort handler does), not the stream it was made with."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
+# Our own line printer for a process where nobody configured logging. Not
+# registered with logging.getLogger and not propagating, so no handler the
+# host adds later can print its records a second time.
+_fallback = logging.Logger("preload.load", logging.INFO)
+_fallback.propagate = False
+_fallback.addHandler(_StderrHandler())
+
+
+def _route() -> logging.Logger:
+    """The logger that prints the load line exactly once in this process.
+
+    vLLM (vllm/logger.py) configures only the ``vllm`` logger: one stream
+    handler, ``propagate: False``, its level from ``VLLM_LOGGING_LEVEL``; it
+    never touches the root. In a vLLM engine core or worker ``preload.load``
+    therefore has no handler and Python's last-resort handler drops INFO, so a
+    hit left no line. Decided per load, because the host may configure logging
+    after this module is imported:
+
+    1. ``preload.load`` or an ancestor up to the root has a handler (the app
+       configured logging, pytest's caplog, a harness handler): log there, as
+       before, so the host's handlers print it once in the host's format.
+    2. else the ``vllm`` logger has a handler (vLLM configured its logging in
+       this process): log on its child ``vllm.preload_gate`` (it does not
+       propagate past ``vllm``), so vLLM's handler prints it once in vLLM's
+       format, next to the engine's own lines. vLLM is not imported for this:
+       the logger is looked up in logging's registry, so a process without
+       vLLM never pays for it.
+    3. else nobody will print it: our private stderr logger does.
+    """
+    if log.hasHandlers():
+        return log
+    vllm_logger = logging.Logger.manager.loggerDict.get("vllm")
+    if isinstance(vllm_logger, logging.Logger) and vllm_logger.handlers:
+        return logging.getLogger("vllm.preload_gate")
+    return _fallback
+
+
 def events_path(configured: str | None) -> str | None:
     return configured or os.environ.get(EVENTS_ENV) or None
 
@@ -82,15 +140,19 @@ def emit(event: LoadEvent, events_file: str | None = None, loud: bool | None = N
                 os.close(fd)
         except OSError as exc:
             written = False
-            log.warning("preload-gate: cannot write the load event to %s (%s); the load itself "
-                        "is unaffected; fix the events_file path", path, exc.strerror or exc)
+            _log(logging.WARNING, "preload-gate: cannot write the load event to %s (%s); the load itself "
+                 "is unaffected; fix the events_file path", path, exc.strerror or exc)
     if loud is None:
         loud = event.outcome != "hit"
+    _log(logging.WARNING if loud else logging.INFO, "%s %s", LOG_PREFIX, line)
+    return written
+
+
+def _log(level: int, msg: str, *args: Any) -> None:
     try:
-        (log.warning if loud else log.info)("%s %s", LOG_PREFIX, line)
+        _route().log(level, msg, *args, stacklevel=3)
     except Exception:  # a broken log handler is not a failed load
         pass
-    return written
 
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
