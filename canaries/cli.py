@@ -13,6 +13,7 @@ import logging
 import sys
 
 from canaries.errors import GoldenError
+from pgbase.cliargs import nonnegative_float, nonnegative_int, positive_float, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,13 +24,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = verbs.add_parser("record", help="record a golden file from an auto (disk-loaded) engine")
     r.add_argument("--model", required=True, help="checkpoint directory")
     r.add_argument("--out", required=True, help="golden file to write (atomically)")
-    r.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
-    r.add_argument("--top-logprobs", type=int, default=5, help="top logprobs per position (default 5)")
+    r.add_argument("--max-tokens", type=positive_int, default=16, help="greedy tokens per prompt (default 16)")
+    r.add_argument("--top-logprobs", type=nonnegative_int, default=5, help="top logprobs per position (default 5)")
     r.add_argument("--prompts", default=None, help="prompts file: one per line, or a JSON list (.json)")
     from preload.deployment import add_arguments
 
     add_arguments(r.add_argument_group("deployment settings (as vllm serve takes them; recorded in the golden)"))
-    r.add_argument("--timeout", type=float, default=600.0, help="seconds for the recording engine")
+    r.add_argument("--timeout", type=positive_float, default=600.0, help="seconds for the recording engine")
     r.add_argument("--json", action="store_true", help="print the golden's key as JSON")
     r.set_defaults(func=_record)
 
@@ -38,12 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="replica's OpenAI base URL (http://host:port or .../v1); repeat for many")
     c.add_argument("--golden", required=True, help="golden file from `canary record`")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
-    c.add_argument("--timeout", type=float, default=30.0, help="seconds per attempt per replica (default 30)")
-    c.add_argument("--retries", type=int, default=2, help="retries of an unreachable/slow/5xx replica (default 2)")
-    c.add_argument("--tolerance", type=float, default=None,
+    c.add_argument("--timeout", type=positive_float, default=30.0, help="seconds per attempt per replica (default 30)")
+    c.add_argument("--retries", type=nonnegative_int, default=2, help="retries of an unreachable/slow/5xx replica (default 2)")
+    c.add_argument("--tolerance", type=nonnegative_float, default=None,
                    help="largest absolute logprob difference accepted (default 0.05)")
     c.add_argument("--model", default=None, help="served model name (default: the replica's only model)")
-    c.add_argument("--concurrency", type=int, default=8, help="replicas asked at once")
+    c.add_argument("--concurrency", type=positive_int, default=8, help="replicas asked at once")
     c.add_argument("--api-key", default=None, help="bearer token (default $OPENAI_API_KEY or EMPTY)")
     c.add_argument("--no-version-probe", action="store_true",
                    help="do not ask GET /version (a router answering it with its own version); the "

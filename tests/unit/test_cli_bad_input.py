@@ -142,6 +142,24 @@ BAD = [
     ("bench", ["bench", "--only", "no_such_row"], None, "no_such_row"),
     ("demo", ["demo", "--bogus"], None, "unrecognized arguments"),
     ("demo", ["demo", "--report", "{base}/afile/r"], None, "is not a directory"),
+    # Numeric flags: one shared argparse type per kind (pgbase.cliargs), so a
+    # count <= 0, a negative seed or a port out of range is a usage line.
+    ("fixtures", ["fixtures", "tiny", "{base}/t", "--seed", "-1"], None, "argument --seed"),
+    ("promote", ["promote", "{ckpt}", "--workers", "-3"], None, "argument --workers"),
+    ("promote", ["promote", "{ckpt}", "--workers", "0"], None, "argument --workers"),
+    ("fingerprints", ["fingerprints", "--base", "{ckpt}", "--candidate", "{ckpt}", "--workers", "-1"], None,
+     "argument --workers"),
+    ("gate", ["gate", "{ckpt}", "--jobs", "0"], None, "argument --jobs"),
+    ("gate", ["gate", "{ckpt}", "--jobs", "-1"], None, "argument --jobs"),
+    ("demo", ["demo", "--engine-timeout", "0"], None, "argument --engine-timeout"),
+    ("preload", ["preload", "{ckpt}", "--dry-run", "--max-model-len", "-5"], None, "argument --max-model-len"),
+    ("preload", ["preload", "{ckpt}", "--dry-run", "--master-port", "-1"], None, "argument --master-port"),
+    ("preload", ["preload", "{ckpt}", "--dry-run", "--health-port", "70000"], None, "argument --health-port"),
+    ("preload", ["preload", "{ckpt}", "--dry-run", "-dp", "x"], None, "is not an integer"),
+    ("canary", ["canary", "record", "--model", "{ckpt}", "--out", "{base}/cwd/g.json", "--max-tokens", "0"], None,
+     "argument --max-tokens"),
+    ("canary", ["canary", "check", "--base-url", "http://127.0.0.1:9", "--golden", "{base}/g.json",
+                "--tolerance", "nan"], None, "argument --tolerance"),
 ]
 
 # Controls for the preload checks above: good inputs pass the same checks
