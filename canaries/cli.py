@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=_record)
 
     c = verbs.add_parser("check", help="ask replicas the golden prompts; exit 0 only if all match")
-    c.add_argument("--base-url", action="append", required=True, dest="base_urls",
+    c.add_argument("--base-url", action="append", required=True, dest="base_urls", type=http_url,
                    help="replica's OpenAI base URL (http://host:port or .../v1); repeat for many")
     c.add_argument("--golden", required=True, help="golden file from `canary record`")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -69,10 +69,12 @@ def _record(args: argparse.Namespace) -> int:
     from canaries.prompts import load_prompts
     from preload.deployment import from_args
 
+    settings = from_args(args)
+    _preflight_record(args.model, args.out, settings.to_json())
     prompts = load_prompts(args.prompts) if args.prompts else None
     golden = record(
         args.model, args.out, prompts=prompts, max_tokens=args.max_tokens, top_logprobs=args.top_logprobs,
-        timeout_s=args.timeout, settings=from_args(args),
+        timeout_s=args.timeout, settings=settings,
     )
     if args.json:
         print(json.dumps({"golden": args.out, **golden.key(), "prompts": len(golden.prompts)}, indent=2))
@@ -85,6 +87,45 @@ def _record(args: argparse.Namespace) -> int:
         print(f"prompts     {len(golden.prompts)} x {golden.sampling.max_tokens} tokens, "
               f"top {golden.sampling.top_logprobs} logprobs")
     return 0
+
+
+def _preflight_record(model: str, out: str, engine: dict) -> None:
+    """What ``canary record`` can check before its engine starts (as the gate
+    checks ``--report`` and ``preload`` its flags): the golden's place, the
+    checkpoint's shard headers (no hashing), the dtype and vLLM's choices."""
+    from pathlib import Path
+
+    from preload.identity.anchors import validate_checkpoint
+    from preload.preflight import (
+        check_checkpoint,
+        check_dtype,
+        check_engine_choices,
+        check_output_dir,
+    )
+
+    target = Path(out)
+    if target.is_dir():
+        raise GoldenError(f"--out {out} is a directory; give the golden file's path (e.g. {target / 'golden.json'})")
+    check_output_dir(target.parent, "--out")
+    check_checkpoint(model)
+    validate_checkpoint(model)
+    check_dtype(str(engine.get("dtype") or "auto"))
+    check_engine_choices(engine)
+
+
+def http_url(value: str) -> str:
+    """``--base-url`` as argparse takes it: an http(s) URL with a host, refused
+    at parse time, before any request is retried against it."""
+    from urllib.parse import urlparse
+
+    try:
+        u = urlparse(value)
+        ok = u.scheme in ("http", "https") and bool(u.hostname)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an http(s) URL with a host; give e.g. http://127.0.0.1:8000")
+    return value
 
 
 def _per_replica(values: list[str] | None, urls: list[str], flag: str) -> list[tuple[str, str]]:

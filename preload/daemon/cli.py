@@ -143,6 +143,9 @@ def _roots(args: argparse.Namespace) -> tuple[list[Path], list[dict[str, str]]]:
     from preload.sockets import default_socket_root
 
     if args.socket_root:
+        if os.path.lexists(args.socket_root) and not os.path.isdir(args.socket_root):
+            raise PreloadGateError(f"--socket-root {args.socket_root} is not a directory; name the directory "
+                                   "daemons were started with (preload --socket-root DIR)")
         return [Path(args.socket_root)], []
     registered, refused = live_roots()
     return list(dict.fromkeys([default_socket_root(), *registered])), refused
