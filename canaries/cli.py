@@ -13,6 +13,7 @@ import logging
 import sys
 
 from canaries.errors import GoldenError
+from pgbase.cliargs import nonnegative_float, nonnegative_int, positive_float, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,27 +24,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = verbs.add_parser("record", help="record a golden file from an auto (disk-loaded) engine")
     r.add_argument("--model", required=True, help="checkpoint directory")
     r.add_argument("--out", required=True, help="golden file to write (atomically)")
-    r.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
-    r.add_argument("--top-logprobs", type=int, default=5, help="top logprobs per position (default 5)")
+    r.add_argument("--max-tokens", type=positive_int, default=16, help="greedy tokens per prompt (default 16)")
+    r.add_argument("--top-logprobs", type=nonnegative_int, default=5, help="top logprobs per position (default 5)")
     r.add_argument("--prompts", default=None, help="prompts file: one per line, or a JSON list (.json)")
     from preload.deployment import add_arguments
 
     add_arguments(r.add_argument_group("deployment settings (as vllm serve takes them; recorded in the golden)"))
-    r.add_argument("--timeout", type=float, default=600.0, help="seconds for the recording engine")
+    r.add_argument("--timeout", type=positive_float, default=600.0, help="seconds for the recording engine")
     r.add_argument("--json", action="store_true", help="print the golden's key as JSON")
     r.set_defaults(func=_record)
 
     c = verbs.add_parser("check", help="ask replicas the golden prompts; exit 0 only if all match")
-    c.add_argument("--base-url", action="append", required=True, dest="base_urls",
+    c.add_argument("--base-url", action="append", required=True, dest="base_urls", type=http_url,
                    help="replica's OpenAI base URL (http://host:port or .../v1); repeat for many")
     c.add_argument("--golden", required=True, help="golden file from `canary record`")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
-    c.add_argument("--timeout", type=float, default=30.0, help="seconds per attempt per replica (default 30)")
-    c.add_argument("--retries", type=int, default=2, help="retries of an unreachable/slow/5xx replica (default 2)")
-    c.add_argument("--tolerance", type=float, default=None,
+    c.add_argument("--timeout", type=positive_float, default=30.0, help="seconds per attempt per replica (default 30)")
+    c.add_argument("--retries", type=nonnegative_int, default=2, help="retries of an unreachable/slow/5xx replica (default 2)")
+    c.add_argument("--tolerance", type=nonnegative_float, default=None,
                    help="largest absolute logprob difference accepted (default 0.05)")
     c.add_argument("--model", default=None, help="served model name (default: the replica's only model)")
-    c.add_argument("--concurrency", type=int, default=8, help="replicas asked at once")
+    c.add_argument("--concurrency", type=positive_int, default=8, help="replicas asked at once")
     c.add_argument("--api-key", default=None, help="bearer token (default $OPENAI_API_KEY or EMPTY)")
     c.add_argument("--no-version-probe", action="store_true",
                    help="do not ask GET /version (a router answering it with its own version); the "
@@ -68,10 +69,12 @@ def _record(args: argparse.Namespace) -> int:
     from canaries.prompts import load_prompts
     from preload.deployment import from_args
 
+    settings = from_args(args)
+    _preflight_record(args.model, args.out, settings.to_json())
     prompts = load_prompts(args.prompts) if args.prompts else None
     golden = record(
         args.model, args.out, prompts=prompts, max_tokens=args.max_tokens, top_logprobs=args.top_logprobs,
-        timeout_s=args.timeout, settings=from_args(args),
+        timeout_s=args.timeout, settings=settings,
     )
     if args.json:
         print(json.dumps({"golden": args.out, **golden.key(), "prompts": len(golden.prompts)}, indent=2))
@@ -84,6 +87,45 @@ def _record(args: argparse.Namespace) -> int:
         print(f"prompts     {len(golden.prompts)} x {golden.sampling.max_tokens} tokens, "
               f"top {golden.sampling.top_logprobs} logprobs")
     return 0
+
+
+def _preflight_record(model: str, out: str, engine: dict) -> None:
+    """What ``canary record`` can check before its engine starts (as the gate
+    checks ``--report`` and ``preload`` its flags): the golden's place, the
+    checkpoint's shard headers (no hashing), the dtype and vLLM's choices."""
+    from pathlib import Path
+
+    from preload.identity.anchors import validate_checkpoint
+    from preload.preflight import (
+        check_checkpoint,
+        check_dtype,
+        check_engine_choices,
+        check_output_dir,
+    )
+
+    target = Path(out)
+    if target.is_dir():
+        raise GoldenError(f"--out {out} is a directory; give the golden file's path (e.g. {target / 'golden.json'})")
+    check_output_dir(target.parent, "--out")
+    check_checkpoint(model)
+    validate_checkpoint(model)
+    check_dtype(str(engine.get("dtype") or "auto"))
+    check_engine_choices(engine)
+
+
+def http_url(value: str) -> str:
+    """``--base-url`` as argparse takes it: an http(s) URL with a host, refused
+    at parse time, before any request is retried against it."""
+    from urllib.parse import urlparse
+
+    try:
+        u = urlparse(value)
+        ok = u.scheme in ("http", "https") and bool(u.hostname)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an http(s) URL with a host; give e.g. http://127.0.0.1:8000")
+    return value
 
 
 def _per_replica(values: list[str] | None, urls: list[str], flag: str) -> list[tuple[str, str]]:

@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+from pgbase.cliargs import positive_float, positive_int
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     for add in _VERBS:
@@ -60,6 +62,10 @@ def _bench(args: argparse.Namespace) -> int:
         for module, why in UNLOADED.items():
             print(f"{module:<20} rows not loaded: {why}")
         return 0
+    if args.out:
+        from preload.preflight import check_output_dir
+
+        check_output_dir(args.out, "--out")  # before the rows run, not after
     params = {}
     for item in args.param:
         key, sep, value = item.partition("=")
@@ -121,12 +127,12 @@ def _register_gate(sub: argparse._SubParsersAction) -> None:
 
 
 def _gate_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--jobs", type=int, default=1, help="engines at once (each takes a core or two)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="engines at once (each takes a core or two)")
     p.add_argument("--run-tp", action="store_true", help="run the TP=2 case end to end (two cores)")
     p.add_argument("--workdir", default=None, help="keep candidates and engine logs here")
     p.add_argument("--reference-cache", default=None,
                    help="auto results by (digest, settings, vLLM) (default ~/.cache/preload-gate/references)")
-    p.add_argument("--engine-timeout", type=float, default=300.0, help="seconds per engine")
+    p.add_argument("--engine-timeout", type=positive_float, default=300.0, help="seconds per engine")
 
 
 def _gate(args: argparse.Namespace) -> int:

@@ -12,6 +12,8 @@ import argparse
 import json
 from typing import Any
 
+from pgbase.cliargs import positive_int
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -32,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="header_only: vLLM's own hash_checkpoint (auto: when vLLM imports) or our reimplementation",
     )
-    p.add_argument("--workers", type=int, default=None, help="hashing threads for content")
+    p.add_argument("--workers", type=positive_int, default=None, help="hashing threads for content")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_fingerprints)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from pgbase.cliargs import positive_int
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from preload.sockets import socket_root_arg
@@ -15,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint")
     p.add_argument("--socket-root", default=None, type=socket_root_arg, help="root of the digest-keyed socket dirs")
     p.add_argument("--cache-dir", default=None, help="where manifests live (default ~/.cache/preload-gate)")
-    p.add_argument("--workers", type=int, default=None, help="hashing threads (default: all cores)")
+    p.add_argument("--workers", type=positive_int, default=None, help="hashing threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print the promotion as JSON")
     p.set_defaults(func=_promote)
 

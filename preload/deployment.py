@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from pgbase.cliargs import positive_int
 from pgbase.errors import PreloadGateError
 from preload.identity.manifest import config_digest
 
@@ -119,10 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, sta
 
     parser.add_argument("--dtype", default=default(DEFAULT_DTYPE),
                         help="model dtype, as the replicas serve it (default auto: the checkpoint's)")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=default(1))
-    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=default(1))
-    parser.add_argument("--data-parallel-size", "-dp", type=int, default=default(1))
-    parser.add_argument("--max-model-len", type=int, default=default(None))
+    parser.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=default(1))
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=default(1))
+    parser.add_argument("--data-parallel-size", "-dp", type=positive_int, default=default(1))
+    parser.add_argument("--max-model-len", type=positive_int, default=default(None))
     parser.add_argument("--quantization", "-q", default=default(None))
     parser.add_argument("--kv-cache-dtype", default=default("auto"))
     parser.add_argument("--enable-expert-parallel", action="store_true", default=default(False))

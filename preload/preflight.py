@@ -15,13 +15,15 @@ is bound and released at once).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import logging
 import os
 import socket
 import stat
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from pgbase.errors import PreloadGateError
@@ -45,10 +47,11 @@ def socket_path_problem(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def check_socket_root(root: str | os.PathLike[str], ranks: Iterable[int] = (0,)) -> None:
+def check_socket_root(root: str | os.PathLike[str], ranks: Iterable[int] = (0,), probe: bool = False) -> None:
     """The socket paths fit AF_UNIX, the root's parent exists, the root (if it
     exists) is private. The digest directory is ``<root>/<16 hex>``, so its
-    length is known before the digest is."""
+    length is known before the digest is. ``probe``: a root that does not
+    exist yet is proven creatable by making and removing a directory beside it."""
     r = Path(root)
     for rank in ranks:
         problem = socket_path_problem(r / ("0" * _DIGEST_PREFIX) / f"rank{rank}.sock")
@@ -66,6 +69,14 @@ def check_socket_root(root: str | os.PathLike[str], ranks: Iterable[int] = (0,))
     elif not os.access(parent, os.W_OK | os.X_OK):
         raise PreflightError(f"cannot create the socket root {r}: {parent} is not writable; "
                              f"choose another --socket-root")
+    elif probe:
+        # os.access says yes to root on /proc or a read-only mount: make and
+        # remove one directory, so a rank process does not find out later.
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".preload-gate-probe-", dir=parent))
+        except OSError as exc:
+            raise PreflightError(f"cannot create the socket root {r}: making a directory in {parent} failed "
+                                 f"({exc.strerror or exc}); choose a writable --socket-root") from None
 
 
 def check_rank_locks(socket_dir: str | os.PathLike[str], ranks: Iterable[int]) -> None:
@@ -171,6 +182,92 @@ def check_dtype(dtype: str) -> None:
         raise PreflightError(f"--dtype {dtype!r} is not a dtype vLLM takes; use one of {', '.join(VLLM_DTYPES)}")
 
 
+def check_cuda(transport: str) -> None:
+    """``--transport cuda`` has a CUDA device to put weights on."""
+    if transport != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise PreflightError("--transport cuda needs a CUDA device and none is visible (torch.cuda.is_available() "
+                             "is False: no GPU, no driver, a CPU-only torch or CUDA_VISIBLE_DEVICES hides them); "
+                             "use --transport shm")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """vLLM logs on import (Triton notes) and while it splits layers: a
+    refusal must stay one line on stderr."""
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _vllm_choices(flag: str) -> tuple[str, ...] | None:
+    """The values vLLM's own config takes for ``flag`` (its Literal types), or
+    None where vLLM is not importable (nothing to check; vLLM decides later)."""
+    from typing import get_args
+
+    try:
+        with _quiet():
+            if flag == "--kv-cache-dtype":
+                from vllm.config.cache import CacheDType
+
+                return tuple(get_args(CacheDType))
+            from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+            return tuple(QUANTIZATION_METHODS)
+    except ImportError:
+        return None
+
+
+def check_engine_choices(engine: dict[str, object]) -> None:
+    """``--kv-cache-dtype`` and ``--quantization`` are values vLLM takes. vLLM
+    is imported only for a value other than the default, so a plain start
+    costs no import."""
+    for flag, key, default in (("--kv-cache-dtype", "kv_cache_dtype", "auto"), ("--quantization", "quantization", None)):
+        value = engine.get(key)
+        if value is None or value == default:
+            continue
+        choices = _vllm_choices(flag)
+        if choices is not None and value not in choices:
+            raise PreflightError(f"{flag} {value!r} is not one vLLM takes; use one of {', '.join(choices)}")
+
+
+def check_pipeline_parallel(checkpoint: str | os.PathLike[str], pp_size: int) -> None:
+    """Every pipeline stage holds at least one of the model's hidden layers,
+    split as vLLM's ``get_pp_indices`` splits them (``VLLM_PP_LAYER_PARTITION``
+    included) where vLLM is importable, evenly otherwise."""
+    if pp_size <= 1:
+        return
+    from preload.identity.manifest import read_config
+
+    cfg = read_config(checkpoint)
+    if not isinstance(cfg, dict):
+        return
+    text = cfg.get("text_config")
+    if "num_hidden_layers" not in cfg and isinstance(text, dict):
+        cfg = text
+    layers = cfg.get("num_hidden_layers")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        return
+    with _quiet():
+        try:
+            from vllm.distributed.utils import get_pp_indices
+        except ImportError:
+            sizes = [layers // pp_size + (r < layers % pp_size) for r in range(pp_size)]
+        else:
+            try:
+                sizes = [end - start for start, end in (get_pp_indices(layers, r, pp_size) for r in range(pp_size))]
+            except ValueError as exc:
+                raise PreflightError(f"--pipeline-parallel-size {pp_size}: {exc} (VLLM_PP_LAYER_PARTITION)") from None
+    if min(sizes) < 1:
+        raise PreflightError(f"--pipeline-parallel-size {pp_size} leaves a stage with no layer of the model's "
+                             f"{layers} hidden layers (config.json; split {sizes}); choose at most {layers}")
+
+
 def model_heads(checkpoint: str | os.PathLike[str]) -> tuple[int, int] | None:
     """``(num_attention_heads, num_key_value_heads)`` from the checkpoint's
     ``config.json`` (its ``text_config`` for a multimodal config, as vLLM's
@@ -269,16 +366,19 @@ def check_checkpoint(checkpoint: str | os.PathLike[str]) -> None:
 
 def preflight_daemon(checkpoint: str | os.PathLike[str], socket_root: str | os.PathLike[str] | None,
                      ranks: Iterable[int], digest: str | None, health_host: str = "127.0.0.1",
-                     health_port: int | None = None, dtype: str = "auto", tp_size: int = 1) -> None:
+                     health_port: int | None = None, dtype: str = "auto", tp_size: int = 1,
+                     pp_size: int = 1, transport: str = "shm", engine: dict[str, object] | None = None) -> None:
     """Everything ``preload`` (and its ``--dry-run``) can check before it reads a weight byte."""
     from preload.sockets import default_socket_root, socket_dir
 
     ranks = list(ranks)
     check_checkpoint(checkpoint)
     check_dtype(dtype)
+    check_engine_choices(engine or {})
     check_tensor_parallel(checkpoint, tp_size)
+    check_pipeline_parallel(checkpoint, pp_size)
     root = Path(socket_root) if socket_root else default_socket_root()
-    check_socket_root(root, ranks)
+    check_socket_root(root, ranks, probe=True)
     if digest is not None:
         sdir = socket_dir(digest, root)
         if os.path.lexists(sdir):
@@ -289,6 +389,7 @@ def preflight_daemon(checkpoint: str | os.PathLike[str], socket_root: str | os.P
             check_rank_locks(sdir, ranks)
     if health_port is not None:
         check_port(health_host, health_port)
+    check_cuda(transport)
 
 
 def preflight_promote(checkpoint: str | os.PathLike[str], socket_root: str | os.PathLike[str] | None,

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pgbase.cliargs import fixed_port, nonnegative_int, port, positive_int
 from pgbase.errors import PreloadGateError
 
 
@@ -22,19 +23,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint")
     eng = p.add_argument_group("engine arguments (as vLLM takes them)")
-    eng.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    eng.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    eng.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    eng.add_argument("--data-parallel-size-local", type=int, default=None)
-    eng.add_argument("--data-parallel-start-rank", type=int, default=0)
-    eng.add_argument("--nnodes", type=int, default=1)
-    eng.add_argument("--node-rank", type=int, default=0)
+    eng.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
+    eng.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1)
+    eng.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1)
+    eng.add_argument("--data-parallel-size-local", type=nonnegative_int, default=None)
+    eng.add_argument("--data-parallel-start-rank", type=nonnegative_int, default=0)
+    eng.add_argument("--nnodes", type=positive_int, default=1)
+    eng.add_argument("--node-rank", type=nonnegative_int, default=0)
     eng.add_argument("--dtype", default="auto")
-    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument("--max-model-len", type=positive_int, default=None)
     eng.add_argument("--quantization", default=None)
     eng.add_argument("--kv-cache-dtype", default="auto")
     eng.add_argument("--enable-expert-parallel", action="store_true")
-    eng.add_argument("--master-port", type=int, default=None, help="gloo/nccl rendezvous port of the daemon group")
+    eng.add_argument("--master-port", type=fixed_port, default=None, help="gloo/nccl rendezvous port of the daemon group")
     p.add_argument("--socket-root", default=None, type=socket_root_arg,
                    help="root of the digest-keyed socket dirs (default $PRELOAD_GATE_SOCKET_ROOT, else "
                    "/tmp/preload-gate-<uid>); made absolute")
@@ -49,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where the digest to prove comes from: the manifest (stat), --expect-digest "
                    "(pinned), or none: serve what the bytes hash to (full)")
     p.add_argument("--expect-digest", default=None, help="refuse to serve unless the bytes hash to this")
-    p.add_argument("--health-port", type=int, default=None, help="serve /health and /metrics (off by default)")
+    p.add_argument("--health-port", type=port, default=None, help="serve /health and /metrics (off by default)")
     p.add_argument("--health-host", default="127.0.0.1")
     p.add_argument("--unsafe-identity", choices=("header_only",), default=None,
                    help="UNSAFE negative control for the gate: key by vLLM's header-only hash and skip "
@@ -142,6 +143,9 @@ def _roots(args: argparse.Namespace) -> tuple[list[Path], list[dict[str, str]]]:
     from preload.sockets import default_socket_root
 
     if args.socket_root:
+        if os.path.lexists(args.socket_root) and not os.path.isdir(args.socket_root):
+            raise PreloadGateError(f"--socket-root {args.socket_root} is not a directory; name the directory "
+                                   "daemons were started with (preload --socket-root DIR)")
         return [Path(args.socket_root)], []
     registered, refused = live_roots()
     return list(dict.fromkeys([default_socket_root(), *registered])), refused

@@ -58,11 +58,15 @@ def world(tmp_path_factory, tiny_ckpt):
     shutil.copytree(tiny_ckpt, gqa)
     cfg = json.loads((gqa / "config.json").read_text())
     (gqa / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 6, "num_key_value_heads": 2}))
+    # A malformed checkpoint: a shard whose header is garbage (read without hashing).
+    broken = base / "broken"
+    shutil.copytree(tiny_ckpt, broken)
+    next(broken.glob("*.safetensors")).write_bytes(b"garbage!")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
     yield {"base": base, "ckpt": ckpt, "port": busy.getsockname()[1], "long": base / ("d" * 60) / ("e" * 40),
-           "gqa": gqa, "free": free}
+           "gqa": gqa, "free": free, "broken": broken}
     busy.close()
 
 
@@ -83,7 +87,7 @@ def _run(world, argv: list[str], extra_env: dict[str, str] | None = None) -> tup
     watched = [base / "cache", base / "sock", base / "tmp", work, base / "foreigncache", world["ckpt"]]
     before = _tree(*watched)
     argv = [a.format(ckpt=world["ckpt"], base=base, port=world["port"], long=world["long"], gqa=world["gqa"],
-                     free=world["free"]) for a in argv]
+                     free=world["free"], broken=world["broken"]) for a in argv]
     p = subprocess.run([sys.executable, "-m", "preload_gate", *argv], capture_output=True, text=True,
                        timeout=120, env=env, cwd=work)
     return p, before, _tree(*watched)
@@ -142,7 +146,50 @@ BAD = [
     ("bench", ["bench", "--only", "no_such_row"], None, "no_such_row"),
     ("demo", ["demo", "--bogus"], None, "unrecognized arguments"),
     ("demo", ["demo", "--report", "{base}/afile/r"], None, "is not a directory"),
+    # Numeric flags: one shared argparse type per kind (pgbase.cliargs), so a
+    # count <= 0, a negative seed or a port out of range is a usage line.
+    ("fixtures", ["fixtures", "tiny", "{base}/t", "--seed", "-1"], None, "argument --seed"),
+    ("promote", ["promote", "{ckpt}", "--workers", "-3"], None, "argument --workers"),
+    ("promote", ["promote", "{ckpt}", "--workers", "0"], None, "argument --workers"),
+    ("fingerprints", ["fingerprints", "--base", "{ckpt}", "--candidate", "{ckpt}", "--workers", "-1"], None,
+     "argument --workers"),
+    ("gate", ["gate", "{ckpt}", "--jobs", "0"], None, "argument --jobs"),
+    ("gate", ["gate", "{ckpt}", "--jobs", "-1"], None, "argument --jobs"),
+    ("demo", ["demo", "--engine-timeout", "0"], None, "argument --engine-timeout"),
+    ("preload", ["preload", "{ckpt}", "--dry-run", "--max-model-len", "-5"], None, "argument --max-model-len"),
+    ("preload", ["preload", "{ckpt}", "--dry-run", "--master-port", "-1"], None, "argument --master-port"),
+    ("preload", ["preload", "{ckpt}", "--dry-run", "--health-port", "70000"], None, "argument --health-port"),
+    ("preload", ["preload", "{ckpt}", "--dry-run", "-dp", "x"], None, "is not an integer"),
+    ("canary", ["canary", "record", "--model", "{ckpt}", "--out", "{base}/cwd/g.json", "--max-tokens", "0"], None,
+     "argument --max-tokens"),
+    ("canary", ["canary", "check", "--base-url", "http://127.0.0.1:9", "--golden", "{base}/g.json",
+                "--tolerance", "nan"], None, "argument --tolerance"),
+    # Checks before the first weight byte or engine: no CUDA device for the
+    # cuda transport, a socket root that only looks creatable, vLLM's own
+    # choices, a pipeline stage left without a layer (the tiny model has 2).
+    ("preload", ["preload", "{ckpt}", "--transport", "cuda", "--stage", "raw"], {"CUDA_VISIBLE_DEVICES": ""},
+     "needs a CUDA device and none is visible"),
+    ("preload", ["preload", "{ckpt}", "--stage", "raw", "--socket-root", "/proc/pg-no-such-root"], None,
+     "cannot create the socket root"),
+    ("preload", ["preload", "{ckpt}", "--dry-run", "--kv-cache-dtype", "bogus"], None,
+     "--kv-cache-dtype 'bogus' is not one vLLM takes"),
+    ("preload", ["preload", "{ckpt}", "--dry-run", "--quantization", "bogus"], None,
+     "--quantization 'bogus' is not one vLLM takes"),
+    ("preload", ["preload", "{ckpt}", "--dry-run", "-pp", "4"], None, "choose at most 2"),
+    ("canary", ["canary", "record", "--model", "{ckpt}", "--out", "/proc/pg-no-such.json"], None, "cannot be written"),
+    ("canary", ["canary", "record", "--model", "{ckpt}", "--out", "{base}/cwd"], None, "is a directory"),
+    ("canary", ["canary", "record", "--model", "{broken}", "--out", "{base}/cwd/g.json"], None,
+     "not a valid safetensors file"),
+    ("canary", ["canary", "record", "--model", "{ckpt}", "--out", "{base}/cwd/g.json", "--dtype", "bogus"], None,
+     "is not a dtype vLLM takes"),
+    ("canary", ["canary", "check", "--base-url", "not-a-url", "--golden", "{base}/g.json"], None,
+     "is not an http(s) URL"),
+    ("status", ["status", "--socket-root", "{base}/afile"], None, "is not a directory"),
+    ("bench", ["bench", "--out", "{base}/afile", "--only", "no_such_row"], None, "is not a directory"),
 ]
+
+# Control for the rows above: the same flags with good values pass those checks.
+GOOD_PP = ["preload", "{ckpt}", "--dry-run", "--json", "-pp", "2", "--kv-cache-dtype", "fp8", "--master-port", "29500"]
 
 # Controls for the preload checks above: good inputs pass the same checks
 # (exit 0, the plan, nothing on disk), so each refusal is the check's doing.
@@ -165,6 +212,13 @@ def test_good_input_passes_the_dry_run_checks(world, argv):
     assert p.returncode == 0, p.stderr
     plan = json.loads(p.stdout)
     assert len(plan["ranks"]) == int(argv[argv.index("-tp") + 1])
+    assert after == before, f"new on disk: {sorted(after - before)}"
+
+
+def test_good_pipeline_and_vllm_choices_pass_the_dry_run_checks(world):
+    p, before, after = _run(world, GOOD_PP)
+    assert p.returncode == 0, p.stderr
+    assert len(json.loads(p.stdout)["ranks"]) == 2
     assert after == before, f"new on disk: {sorted(after - before)}"
 
 
