@@ -130,8 +130,12 @@ GATE = textwrap.dedent("""
     F.HEADER_IMPL = "reimpl"
 
     class RawDaemon(G.DaemonProcess):
-        def __post_init__(self):
+        # Not __post_init__: DaemonProcess's dataclass __init__ was generated
+        # without one, so a subclass's is never called (the loaded stage, which
+        # needs vLLM, ran instead, and the unit tier without vLLM failed here).
+        def start(self, *args, **kwargs):
             self.args = [*self.args, "--stage", "raw"]
+            return super().start(*args, **kwargs)
 
     G.DaemonProcess = RawDaemon
     G.run_engine = lambda spec, wd, timeout_s: E.run_engine(spec, wd, timeout_s=timeout_s, worker="sleepy_engine")
