@@ -112,4 +112,4 @@ def test_cli_bad_argument_is_one_line(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode != 0
-    assert proc.stderr.strip().count("\n") == 0 and "--shards must be" in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "--shards: 0 is not a positive integer" in proc.stderr
