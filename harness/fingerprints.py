@@ -43,8 +43,14 @@ def _fingerprints(args: argparse.Namespace) -> int:
     from pgbase.errors import PreloadGateError
     from preload.identity.anchors import fingerprints
 
+    from preload.preflight import check_checkpoint
+
     if (args.candidate is None) == (args.mutations is None):
         raise PreloadGateError("give exactly one of --candidate B or --mutations all|NAME,..")
+    # A missing or unreadable folder is refused before vLLM is imported for its file set (~20 s).
+    for folder in (args.base, args.candidate):
+        if folder is not None:
+            check_checkpoint(folder)
     if args.mutations is not None:
         return _fingerprint_matrix(args)
     schemes = fingerprints(args.base, args.candidate, header_impl=args.header_impl, workers=args.workers)

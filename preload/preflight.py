@@ -160,10 +160,27 @@ def check_cache_dir(cache_dir: str | os.PathLike[str] | None, checkpoint: str | 
     try:
         st = os.statvfs(probe)
     except OSError:
-        return
-    if st.f_flag & os.ST_RDONLY:
+        st = None
+    if st is not None and st.f_flag & os.ST_RDONLY:
         raise PreflightError(f"the manifest cache {mdir} is on a read-only filesystem; set --cache-dir "
                              f"or PRELOAD_GATE_CACHE to a writable directory")
+    # The checks above answer for an ordinary user; root passes os.access
+    # everywhere (even under /proc), so the directory is made here, 0700, as
+    # the write would make it: a cache that cannot exist fails before hashing.
+    # What this made is removed again (a refusal later leaves nothing behind).
+    from preload.identity.manifest import prepare_manifest_dir
+
+    made = [d for d in (mdir, *mdir.parents) if not os.path.lexists(d)]
+    try:
+        prepare_manifest_dir(mdir)
+        for d in made:  # deepest first; only the empty levels this call made
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+    except (PreloadGateError, OSError) as exc:
+        why = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+        why_text = why.strerror if isinstance(why, OSError) and why.strerror else str(why)
+        raise PreflightError(f"the manifest cache {mdir} cannot be created: {why_text}; set --cache-dir "
+                             f"or PRELOAD_GATE_CACHE to a writable directory") from exc
 
 
 # The ``--dtype`` strings vLLM takes: "auto" and the keys of

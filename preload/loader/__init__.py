@@ -43,10 +43,22 @@ def loader_class() -> type:
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: register ``verified_cache``."""
+    """``vllm.general_plugins`` entry point: register ``verified_cache``.
+
+    With ``PRELOAD_GATE_STAT_WORKERS=N`` in the engine's environment it also
+    starts the stat pool of the restart check (N: about the checkpoint's
+    shard count) in the background, so a checkpoint of many shards on
+    remote storage is checked in about one round trip
+    (:func:`preload.identity.filestat.prestart_stat_workers`). Raises
+    ValueError naming the variable for a bad N, which fails vLLM's start.
+    """
     from vllm.model_executor.model_loader import register_model_loader
 
+    from preload.identity import stat_pool
+
+    workers = stat_pool.stat_workers_wanted()
     register_model_loader(LOAD_FORMAT)(loader_class())
+    stat_pool.prestart_stat_workers(workers)
 
 
 __all__ = ["LOAD_FORMAT", "LoaderConfigError", "LoaderOptions", "loader_class", "register"]

@@ -130,15 +130,16 @@ def test_restart_row_measures_with_and_without_latency(tmp_path):
         # One stat per shard plus the directory and the index, none opened; the
         # shim charged each round trip at least once (a lower bound, not a timing claim).
         assert r.details["stats"] == n + 2 and r.details["opens"] == 0
-        assert len(r.details["cold_walls_s"]) == len(r.details["parked_walls_s"]) == 2
-        assert len(r.details["cold_cpu_s"]) == len(r.details["parked_cpu_s"]) == 2
-        assert min(r.details["cold_walls_s"] + r.details["parked_walls_s"]) >= 0.002
-        assert "cold start" in r.ours.label and "parked beforehand" in r.notes
+        assert len(r.details["cold_walls_s"]) == len(r.details["prestarted_walls_s"]) == 2
+        assert len(r.details["cold_cpu_s"]) == len(r.details["prestarted_cpu_s"]) == 2
+        assert min(r.details["cold_walls_s"] + r.details["prestarted_walls_s"]) >= 0.002
+        assert "pool prestarted" in r.ours.label and "cold (no PRELOAD_GATE_STAT_WORKERS" in r.notes
+        assert r.details["cold_round_trips"] == r.details["cold_wall_s"] / 0.002
     # The remote pairs take ours from the median of the 4-shard cold starts; the local ones from the table.
     remote = [r for r in results if "2 ms remote fs (" in r.title and "content/stat" in r.ours.label]
     local = [r for r in results if "local fs (0 ms) (" in r.title and "content/stat" in r.ours.label]
     assert len(remote) == len(local) == 3
-    assert all(r.ours.value == trips[0].details["wall_s"] and "median of 2 cold starts" in r.notes for r in remote)
+    assert all(r.ours.value == trips[0].details["cold_wall_s"] and "median of 2 cold starts" in r.notes for r in remote)
     local_wall = {r["scheme"]: r["wall_s"] for r in rows if r["latency_ms"] == 0.0}["content/stat"]
     assert all(r.ours.value == pytest.approx(local_wall, abs=1e-6) and "median" not in r.notes for r in local)
     pinned = [r for r in results if r.ours.label.startswith("content/pinned")]

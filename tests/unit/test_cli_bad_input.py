@@ -114,6 +114,8 @@ BAD = [
     ("promote", ["promote", "{ckpt}", "--socket-root", "{long}"], None, "AF_UNIX"),
     ("promote", ["promote", "{ckpt}", "--cache-dir", "{base}/afile/sub"], None, "not a directory"),
     ("promote", ["promote", "{ckpt}", "--cache-dir", "{base}/foreigncache"], None, "owned by uid 65534"),
+    # root passes os.access under /proc: the cache is made before hashing, and that fails there.
+    ("promote", ["promote", "{ckpt}", "--cache-dir", "/proc/pg-no-such-cache"], None, "cannot be created"),
     ("fingerprints", ["fingerprints", "--base", "{base}/nope", "--candidate", "{ckpt}"], None, "nope"),
     ("fingerprints", ["fingerprints", "--base", "{ckpt}"], None, "exactly one of"),
     ("preload", ["preload", "{base}/nope", "--stage", "raw"], None, "does not exist"),

@@ -33,6 +33,7 @@ from fixtures.mutations import copy_checkpoint
 from harness.bench.remote_fs import RemoteFS
 from preload.identity import anchors
 from preload.identity import filestat as filestat_mod
+from preload.identity import stat_pool
 from preload.identity import manifest as manifest_mod
 from preload.identity.filestat import FileStat, stat_all
 from preload.identity.manifest import StaleManifestError, manifest_path, resolve_digest
@@ -210,7 +211,7 @@ def test_stats_are_in_flight_together(tmp_path, monkeypatch):
 @pytest.fixture
 def quick_idle(monkeypatch):
     """Parked stat workers leave after 0.2 s idle, so a test leaves no threads behind."""
-    monkeypatch.setattr(filestat_mod, "STAT_WORKER_IDLE_S", 0.2)
+    monkeypatch.setattr(stat_pool, "STAT_WORKER_IDLE_S", 0.2)
     yield
     filestat_mod.stop_stat_workers()
 
@@ -305,7 +306,7 @@ def test_parked_workers_are_reused_and_leave_when_idle(tmp_path, monkeypatch, qu
         return real_start(fn, args)
 
     monkeypatch.setattr(_thread, "start_new_thread", counting)
-    monkeypatch.setattr(filestat_mod, "STAT_WORKER_IDLE_S", 30.0)
+    monkeypatch.setattr(stat_pool, "STAT_WORKER_IDLE_S", 30.0)
     files = [tmp_path] * 12
     stat_all(files)
     assert len(started) == 12, "a cold call starts one worker per stat"
@@ -314,15 +315,15 @@ def test_parked_workers_are_reused_and_leave_when_idle(tmp_path, monkeypatch, qu
     assert filestat_mod.stop_stat_workers() == 0
     stat_all(files)
     assert len(started) == 24, "control: after a stop the next call starts its own again"
-    monkeypatch.setattr(filestat_mod, "STAT_WORKER_IDLE_S", 0.05)
+    monkeypatch.setattr(stat_pool, "STAT_WORKER_IDLE_S", 0.05)
     filestat_mod.stop_stat_workers()
     assert filestat_mod.start_stat_workers(4) == 4
     # Idle workers leave on their own (this waits; it asserts no duration).
     for _ in range(400):
-        if filestat_mod._workers.parked() == 0:
+        if stat_pool._workers.parked() == 0:
             break
         threading.Event().wait(0.05)
-    assert filestat_mod._workers.parked() == 0
+    assert stat_pool._workers.parked() == 0
 
 
 def test_stat_all_works_in_a_forked_child(tmp_path, quick_idle):
@@ -330,7 +331,7 @@ def test_stat_all_works_in_a_forked_child(tmp_path, quick_idle):
     import signal
 
     stat_all([tmp_path] * 4)
-    assert filestat_mod._workers.parked() > 0
+    assert stat_pool._workers.parked() > 0
     pid = os.fork()
     if pid == 0:  # child: a hang is killed by the alarm, not waited on forever
         signal.alarm(20)
@@ -393,3 +394,79 @@ def test_a_thread_that_cannot_start_leaves_no_stat_undone(tmp_path, monkeypatch,
     out = stat_all(files)
     assert [r.size for r in out] == list(range(20))
     assert budget[0] == 0, "control: thread starts did run out part-way"
+
+
+# -- the pool started before the check (plugin registration) -------------------------
+
+
+def test_stat_workers_wanted_reads_the_env_and_names_it_when_bad():
+    assert stat_pool.stat_workers_wanted({}) == 0
+    assert stat_pool.stat_workers_wanted({stat_pool.STAT_WORKERS_ENV: " "}) == 0
+    assert stat_pool.stat_workers_wanted({stat_pool.STAT_WORKERS_ENV: "1000"}) == 1000
+    for bad in ("many", "-1", str(stat_pool.MAX_STATS_IN_FLIGHT + 1), "1e3"):
+        with pytest.raises(ValueError, match=stat_pool.STAT_WORKERS_ENV):
+            stat_pool.stat_workers_wanted({stat_pool.STAT_WORKERS_ENV: bad})
+
+
+def test_prestarted_workers_serve_the_first_check_without_new_threads(tmp_path, monkeypatch, quick_idle):
+    import _thread
+
+    stat_pool.stop_stat_workers()
+    assert stat_pool.prestart_stat_workers(0) is None
+    thread = stat_pool.prestart_stat_workers(8, in_forks=False)
+    thread.join(20)
+    assert stat_pool._workers.parked() == 8
+    started = []
+    real_start = _thread.start_new_thread
+    monkeypatch.setattr(_thread, "start_new_thread", lambda fn, args: (started.append(fn), real_start(fn, args))[1])
+    assert all(isinstance(r, FileStat) for r in stat_all([tmp_path] * 8))
+    assert started == [], "the first check after a prestart creates no thread"
+    stat_all([tmp_path] * 9)
+    assert len(started) == 1, "control: one stat more than the pool holds starts one thread"
+
+
+def test_a_forked_child_of_a_prestarted_process_starts_its_own_pool(tmp_path, monkeypatch, quick_idle):
+    """vLLM's fork-started workers do not re-run plugin registration."""
+    import signal
+
+    monkeypatch.setattr(stat_pool, "STAT_WORKER_IDLE_S", 30.0)
+    monkeypatch.setattr(stat_pool, "_prestarted", 0)  # restored at teardown: later forks start nothing
+    stat_pool.prestart_stat_workers(6).join(20)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)
+        for _ in range(400):
+            if stat_pool._workers.parked() >= 6:
+                break
+            threading.Event().wait(0.05)
+        os.write(w, str(stat_pool._workers.parked()).encode())
+        os._exit(0)
+    os.close(w)
+    got = os.read(r, 64)
+    os.waitpid(pid, 0)
+    assert int(got) == 6
+
+
+def test_prestarted_workers_pin_to_the_cpu_the_starter_runs_on(monkeypatch, quick_idle):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: there is nothing to pin to (the pool leaves affinity alone)")
+    cpu = stat_pool._one_cpu()
+    assert cpu is not None and cpu <= os.sched_getaffinity(0) and len(cpu) == 1
+    seen = []
+    stat_pool.stop_stat_workers()
+    stat_pool.start_stat_workers(3)
+    stat_pool.run([lambda: seen.append(os.sched_getaffinity(0))])
+    for _ in range(200):
+        if seen:
+            break
+        threading.Event().wait(0.05)
+    assert len(seen[0]) == 1, "a prestarted worker runs on one CPU"
+    stat_pool.stop_stat_workers()
+    seen.clear()
+    stat_pool.run([lambda: seen.append(os.sched_getaffinity(0))])
+    for _ in range(200):
+        if seen:
+            break
+        threading.Event().wait(0.05)
+    assert seen[0] == os.sched_getaffinity(0), "control: a worker a check creates is not pinned"
