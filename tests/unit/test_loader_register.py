@@ -11,6 +11,8 @@ import pytest
 import preload.loader as loader_pkg
 from preload.identity import stat_pool
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def fake_registry(monkeypatch):

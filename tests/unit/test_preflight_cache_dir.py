@@ -9,6 +9,8 @@ import pytest
 
 from preload.preflight import PreflightError, check_cache_dir
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_creatable_cache_passes_and_leaves_no_directory(tmp_path):
     target = tmp_path / "new" / "cache"
