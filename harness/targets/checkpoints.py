@@ -41,9 +41,15 @@ def file_digest(ckpt: str | os.PathLike[str]) -> str:
 
 
 def values_digest(ckpt: str | os.PathLike[str], dtype: str = "bfloat16") -> str:
+    """SHA-256 over the side files and every tensor's name, dtype, shape and
+    bytes after the cast an engine at ``dtype`` makes (vLLM's ``--dtype``
+    names: ``bfloat16``, ``half``, ``float``...). ``auto`` casts nothing:
+    which dtype vLLM picks then depends on the config and the platform, and
+    uncast values can only tell two checkpoints apart more often, never less.
+    """
     import torch
 
-    target = getattr(torch, dtype)
+    target = None if dtype == "auto" else getattr(torch, dtype)
     h = hashlib.sha256()
     root = Path(ckpt)
     for name in _SIDE_FILES:
@@ -60,7 +66,7 @@ def values_digest(ckpt: str | os.PathLike[str], dtype: str = "bfloat16") -> str:
             state.update(load_file(str(p)))
     for name in sorted(state):
         t = state[name]
-        t = (t.to(target) if t.is_floating_point() else t).contiguous()
+        t = (t.to(target) if target is not None and t.is_floating_point() else t).contiguous()
         h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()

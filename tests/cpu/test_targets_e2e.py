@@ -73,3 +73,15 @@ def test_sharded_state_saved_at_tp2_is_served_to_tp1_with_warnings_only(tiny_ckp
     assert tp.status == "BLOCK" and {"output_mismatch", "error"} & set(tp.verdict.reasons), tp.verdict.details
     if tp.cached.ok:
         assert any("vLLM warned" in d for d in tp.verdict.details), tp.verdict.details
+
+
+def test_promoting_a_candidate_through_npcache_runs_at_the_deployments_dtype(tiny_ckpt, tmp_path, refcache):
+    """`preload-gate gate CKPT --target npcache`, as a user types it: no cases, the
+    default deployment (dtype auto). It crashed once in the reference key
+    (torch has no dtype "auto"); the promotion of the candidate itself PASSes."""
+    report = run_gate(GateOptions(candidate=str(tiny_ckpt), target="npcache", workdir=str(tmp_path / "work"),
+                                  reference_cache=str(refcache)))
+    assert report.mode == "promotion" and report.error is None, report.error
+    (case,) = report.cases
+    assert case.status == "PASS", case.verdict.details
+    assert report.exit_code == 0

@@ -220,3 +220,25 @@ def test_npcache_place_gives_a_bare_candidate_the_bases_dump_and_leaves_a_carrie
     t.place(cache, carried)
     assert dump_digest(bare) == dump_digest(base)
     assert dump_digest(carried) != dump_digest(base)  # control: a dump already there is kept
+
+
+def test_values_digest_at_auto_casts_nothing(tiny_ckpt, tmp_path):
+    """The gate's default --dtype is auto: the digest takes the stored values as they are."""
+    from safetensors.torch import load_file, save_file
+
+    st = copy_checkpoint(tiny_ckpt, tmp_path / "st")
+    assert values_digest(st, "auto") == values_digest(copy_checkpoint(tiny_ckpt, tmp_path / "again"), "auto")
+    # Control: a change below bfloat16's precision is seen at auto and lost by a bfloat16 cast.
+    shard = next(st.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    name = next(n for n, t in tensors.items() if t.is_floating_point())
+    tensors[name] = tensors[name].float()  # a float32 tensor, as many checkpoints store
+    tensors[name].view(-1)[0] = 1.0
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    before = values_digest(st, "auto"), values_digest(st, "bfloat16")
+    t = tensors[name].clone()
+    t.view(-1)[0] = 1.0 + 2**-20  # below bfloat16's 8-bit mantissa
+    tensors[name] = t
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    assert values_digest(st, "auto") != before[0]
+    assert values_digest(st, "bfloat16") == before[1]
