@@ -45,7 +45,6 @@ DEFAULT_DEADLINE_S = 10.0
 _HEADER = struct.Struct(">I")
 
 
-
 class _Request(msgspec.Struct, tag_field="cmd", forbid_unknown_fields=True):
     """A request frame; its ``cmd`` is the msgspec tag that picks the Struct."""
 
@@ -92,9 +91,6 @@ class _Mismatch(_Reply, tag="mismatch"):
 
 class _Error(_Reply, tag="error"):
     error: Any = "no reason given"
-
-
-STATUSES = ("ok", "mismatch", "error")
 
 
 @dataclass
@@ -232,8 +228,8 @@ def _close_fds(fds: list[int]) -> None:
 def check_request(body: dict[str, Any]) -> str:
     """Validate a request against its command's Struct; returns the command.
 
-    ProtocolError names the command and msgspec's path, e.g.
-    ``hello: Expected `int`, got `str` - at `$.protocol```.
+    ProtocolError names the command and msgspec's path to the field, for
+    example: hello: Expected `int`, got `str` - at `$.protocol`.
     """
     cmd = body.get("cmd")
     if not isinstance(cmd, str):
