@@ -30,9 +30,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from canaries.errors import GoldenError
 from canaries.prompts import DEFAULT_PROMPTS
@@ -130,61 +132,60 @@ class Golden:
 
     @classmethod
     def from_json(cls, obj: Any, source: str = "golden") -> Golden:
-        """Parse and validate; a malformed file is one line naming what is wrong."""
+        """Parse and validate; a malformed file is one GoldenError line naming
+        what is wrong: the format, msgspec's path to a mistyped or missing
+        field (``$.prompts[0].token_ids[2]``), a digest that is not 64 hex
+        characters, or an answer that does not fit the sampling settings."""
         if not isinstance(obj, dict):
             raise GoldenError(f"{source}: not a golden record (top level is not an object)")
         if obj.get("format") != FORMAT:
             raise GoldenError(f"{source}: format is {obj.get('format')!r}, expected {FORMAT!r}")
+        settings = obj.get("settings")
         try:
-            digest = str(obj["digest"]).lower()
-            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-                raise GoldenError(f"{source}: digest is not 64 hex characters")
-            sampling = Sampling(**obj["sampling"])
-            prompts = [_prompt_from_json(p, sampling, f"{source}: prompt {i}") for i, p in enumerate(obj["prompts"])]
-            token_texts = {str(k): str(v) for k, v in obj.get("token_texts", {}).items()}
-            settings = obj.get("settings")
-            golden = cls(
-                settings=DeploymentSettings.from_json(settings) if settings is not None else None,
-                config_digest=_optional_digest(obj.get("config_digest"), "config_digest", source),
-                tokenizer_digest=_optional_digest(obj.get("tokenizer_digest"), "tokenizer_digest", source),
-                digest=digest,
-                vllm_version=str(obj["vllm_version"]),
-                sampling=sampling,
-                prompts=prompts,
-                checkpoint=str(obj.get("checkpoint", "")),
-                engine=dict(obj.get("engine", {})),
-                token_texts=token_texts,
-                recorded_at=str(obj.get("recorded_at", "")),
-            )
-        except GoldenError:
-            raise
+            # Settings by their own reader: it refuses unknown fields by name.
+            golden = msgspec.convert({**obj, "settings": None}, cls)
+            golden = replace(
+                golden, settings=DeploymentSettings.from_json(settings) if settings is not None else None)
+        except msgspec.ValidationError as exc:
+            raise GoldenError(f"{source}: malformed golden record ({exc})") from exc
         except SettingsError as exc:
             raise GoldenError(f"{source}: {exc}") from exc
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise GoldenError(f"{source}: malformed golden record ({type(exc).__name__}: {exc})") from exc
+        golden = replace(
+            golden, digest=_digest(golden.digest, "digest", source),
+            config_digest=_optional_digest(golden.config_digest, "config_digest", source),
+            tokenizer_digest=_optional_digest(golden.tokenizer_digest, "tokenizer_digest", source),
+        )
+        for i, gp in enumerate(golden.prompts):
+            _check_prompt(gp, golden.sampling, f"{source}: prompt {i}")
         if not golden.prompts:
             raise GoldenError(f"{source}: holds no prompt")
         return golden
 
 
-def _optional_digest(value: Any, name: str, source: str) -> str | None:
-    if value is None:
-        return None
-    d = str(value).lower()
+def _digest(value: str, name: str, source: str) -> str:
+    """A SHA-256 hex digest, lower-cased (our writers write lower case)."""
+    d = value.lower()
     if len(d) != 64 or any(c not in "0123456789abcdef" for c in d):
         raise GoldenError(f"{source}: {name} is not 64 hex characters")
     return d
 
 
+def _optional_digest(value: str | None, name: str, source: str) -> str | None:
+    return None if value is None else _digest(value, name, source)
+
+
 def _prompt_from_json(p: Any, sampling: Sampling, where: str) -> GoldenPrompt:
-    gp = GoldenPrompt(
-        prompt=str(p["prompt"]),
-        prompt_token_ids=[int(t) for t in p["prompt_token_ids"]],
-        token_ids=[int(t) for t in p["token_ids"]],
-        text=str(p["text"]),
-        token_logprobs=[float(x) for x in p["token_logprobs"]],
-        top_logprobs=[{str(k): float(v) for k, v in step.items()} for step in p["top_logprobs"]],
-    )
+    """One prompt the recording engine answered; GoldenError names ``where``."""
+    try:
+        gp = msgspec.convert(p, GoldenPrompt)
+    except msgspec.ValidationError as exc:
+        raise GoldenError(f"{where}: malformed ({exc})") from exc
+    _check_prompt(gp, sampling, where)
+    return gp
+
+
+def _check_prompt(gp: GoldenPrompt, sampling: Sampling, where: str) -> None:
+    """What msgspec cannot say: the answer fits the sampling settings."""
     if not gp.prompt_token_ids:
         raise GoldenError(f"{where}: no prompt tokens")
     n = len(gp.token_ids)
@@ -192,7 +193,6 @@ def _prompt_from_json(p: Any, sampling: Sampling, where: str) -> GoldenPrompt:
         raise GoldenError(f"{where}: {n} tokens, but sampling says max_tokens={sampling.max_tokens} with ignore_eos")
     if len(gp.token_logprobs) != n or (sampling.top_logprobs and len(gp.top_logprobs) != n):
         raise GoldenError(f"{where}: logprobs do not cover every generated token")
-    return gp
 
 
 def load_golden(path: str | os.PathLike[str]) -> Golden:

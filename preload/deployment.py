@@ -32,6 +32,7 @@ from typing import Any
 
 from pgbase.cliargs import positive_int
 from pgbase.errors import PreloadGateError
+from pgbase.json_shape import convert
 from preload.identity.manifest import config_digest
 
 # What ``vllm serve`` (and an offline ``LLM``) use when the flag is absent.
@@ -79,17 +80,11 @@ class DeploymentSettings:
 
     @classmethod
     def from_json(cls, obj: Any) -> DeploymentSettings:
-        """Parse recorded settings; unknown fields are refused by name."""
-        if not isinstance(obj, dict):
-            raise SettingsError("deployment settings must be a JSON object")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(obj) - names)
-        if unknown:
-            raise SettingsError(f"unknown deployment settings: {', '.join(unknown)}")
-        try:
-            return cls(**obj)
-        except TypeError as exc:
-            raise SettingsError(f"malformed deployment settings: {exc}") from exc
+        """Parse recorded settings: SettingsError, one line naming the field
+        (unknown ones by name, a wrong type by msgspec's path ``$.dtype``:
+        :func:`pgbase.json_shape.convert`; a range by its flag, from
+        ``__post_init__``)."""
+        return convert(obj, cls, "deployment settings", SettingsError)
 
     def mismatched_fields(self, other: DeploymentSettings) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]

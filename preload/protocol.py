@@ -11,8 +11,13 @@ Three bounds keep one bad peer from hurting the daemon:
 - a deadline per message: once a message starts, all of it must arrive
   before the deadline, so a peer trickling one byte a second cannot hold a
   reader (the deadline covers the whole frame, not each ``recv``).
-- a schema per command: every field's type is checked; an unknown command
-  or field is an error answer, not a crash.
+- a schema per command: a msgspec Struct per request (and per reply
+  status), so every field's type is checked by msgspec, not by hand; an
+  unknown command or field is an error answer naming its path (``$.pid``),
+  not a crash. Frames are decoded by ``msgspec.json`` into plain objects only
+  after the length bound has been checked; they are encoded by ``json.dumps``
+  (ASCII, compact), byte for byte what earlier releases sent
+  (tests/unit/test_wire_compat.py holds both directions).
 
 Socket trust (directory modes, symlinks, peer uid) lives in
 ``preload.sockets``; the cache key in ``preload.identity.key``.
@@ -29,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from pgbase.errors import ProtocolError
 from preload.identity.key import PROTOCOL_VERSION
 
@@ -37,24 +44,53 @@ MAX_FDS = 16
 DEFAULT_DEADLINE_S = 10.0
 _HEADER = struct.Struct(">I")
 
-# Per command: field -> accepted JSON types. "cmd" is implied.
-_INT = (int,)
-_STR = (str,)
-_OPT_STR = (str, type(None))
-REQUESTS: dict[str, dict[str, tuple[type, ...]]] = {
-    "hello": {"protocol": _INT, "client": _STR},
-    "get_state": {"key": (dict,)},
-    "get_memory": {},
-    "watch": {},
-    "release": {},
-    "stats": {},
+
+class _Request(msgspec.Struct, tag_field="cmd", forbid_unknown_fields=True):
+    """A request frame; its ``cmd`` is the msgspec tag that picks the Struct."""
+
+
+class Hello(_Request, tag="hello"):
+    protocol: int
+    client: str
+    # Optional fields: absent is fine, present must have the type (null is not one).
+    pid: int | msgspec.UnsetType = msgspec.UNSET
+
+
+class GetState(_Request, tag="get_state"):
+    key: dict[str, Any]  # checked as a WeightCacheKey by the daemon (its own error)
+    client: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class GetMemory(_Request, tag="get_memory"): ...
+
+
+class Watch(_Request, tag="watch"): ...
+
+
+class Release(_Request, tag="release"): ...
+
+
+class Stats(_Request, tag="stats"): ...
+
+
+REQUESTS: dict[str, type[_Request]] = {
+    str(c.__struct_config__.tag): c for c in (Hello, GetState, GetMemory, Watch, Release, Stats)
 }
-# Optional request fields (absent is fine, present must have this type).
-OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
-    "hello": {"pid": _INT},
-    "get_state": {"client": _STR},
-}
-STATUSES = ("ok", "mismatch", "error")
+
+
+class _Reply(msgspec.Struct, tag_field="status"):
+    """A reply's envelope; other fields are the command's own (not checked here)."""
+
+
+class _Ok(_Reply, tag="ok"): ...
+
+
+class _Mismatch(_Reply, tag="mismatch"):
+    fields: list[str]
+
+
+class _Error(_Reply, tag="error"):
+    error: Any = "no reason given"
 
 
 @dataclass
@@ -77,17 +113,20 @@ def encode(obj: dict[str, Any]) -> bytes:
 
 
 def decode(payload: bytes) -> dict[str, Any]:
+    """A frame's payload as a JSON object; ProtocolError for anything else.
+
+    The caller has already bounded ``len(payload)`` by MAX_FRAME_BYTES.
+    """
     try:
-        obj = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+        return msgspec.json.decode(payload, type=dict[str, Any])
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"frame is not a JSON object ({exc})") from exc
+    except msgspec.DecodeError as exc:
         raise ProtocolError(f"frame is not UTF-8 JSON: {exc}") from exc
     except RecursionError as exc:
-        # json.loads recurses per nesting level: a few KiB of "[[[[..." would
+        # msgspec recurses per nesting level: a few KiB of "[[[[..." would
         # otherwise escape as RecursionError and kill the connection's thread.
         raise ProtocolError("frame nests JSON too deeply") from exc
-    if not isinstance(obj, dict):
-        raise ProtocolError("frame is not a JSON object")
-    return obj
 
 
 def send_frame(
@@ -187,49 +226,34 @@ def _close_fds(fds: list[int]) -> None:
 
 
 def check_request(body: dict[str, Any]) -> str:
-    """Validate a request against its command's schema; returns the command."""
+    """Validate a request against its command's Struct; returns the command.
+
+    ProtocolError names the command and msgspec's path to the field, for
+    example: hello: Expected `int`, got `str` - at `$.protocol`.
+    """
     cmd = body.get("cmd")
     if not isinstance(cmd, str):
         raise ProtocolError("request lacks a string 'cmd'")
     if cmd not in REQUESTS:
         raise ProtocolError(f"unknown command {cmd!r} (known: {', '.join(REQUESTS)})")
-    required, optional = REQUESTS[cmd], OPTIONAL.get(cmd, {})
-    for name, types in required.items():
-        if name not in body:
-            raise ProtocolError(f"{cmd}: missing field {name!r}")
-        _check_type(cmd, name, body[name], types)
-    for name, value in body.items():
-        if name == "cmd" or name in required:
-            continue
-        if name not in optional:
-            raise ProtocolError(f"{cmd}: unknown field {name!r}")
-        _check_type(cmd, name, value, optional[name])
+    try:
+        msgspec.convert(body, REQUESTS[cmd])
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"{cmd}: {exc}") from exc
     return cmd
-
-
-def _check_type(cmd: str, name: str, value: Any, types: tuple[type, ...]) -> None:
-    # bool is an int in Python; on this wire it is not.
-    if isinstance(value, bool) and bool not in types:
-        raise ProtocolError(f"{cmd}: field {name!r} must be {_names(types)}, got a boolean")
-    if not isinstance(value, types):
-        raise ProtocolError(f"{cmd}: field {name!r} must be {_names(types)}, got {type(value).__name__}")
-
-
-def _names(types: tuple[type, ...]) -> str:
-    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
 
 
 def check_reply(body: dict[str, Any], cmd: str) -> dict[str, Any]:
     """Validate a reply's envelope; an ``error`` reply becomes ProtocolError."""
     status = body.get("status")
-    if status not in STATUSES:
-        raise ProtocolError(f"{cmd}: reply has no valid status (got {status!r})")
-    if status == "error":
-        raise ProtocolError(f"daemon refused {cmd}: {body.get('error', 'no reason given')}")
-    if status == "mismatch" and not (
-        isinstance(body.get("fields"), list) and all(isinstance(f, str) for f in body["fields"])
-    ):
-        raise ProtocolError(f"{cmd}: mismatch reply lacks a list of field names")
+    try:
+        reply = msgspec.convert(body, _Ok | _Mismatch | _Error)
+    except msgspec.ValidationError as exc:
+        if status == "mismatch":
+            raise ProtocolError(f"{cmd}: mismatch reply lacks a list of field names ({exc})") from exc
+        raise ProtocolError(f"{cmd}: reply has no valid status (got {status!r})") from exc
+    if isinstance(reply, _Error):
+        raise ProtocolError(f"daemon refused {cmd}: {reply.error}")
     return body
 
 

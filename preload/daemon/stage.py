@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pgbase.json_shape import convert
 from preload.identity.key import WeightCacheKey
 from preload.transports.base import Arena, Layout
 
@@ -61,8 +62,11 @@ class RankConfig:
     cpus: list[int] | None = None
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> RankConfig:
-        return cls(**obj)
+    def from_json(cls, obj: Any) -> RankConfig:
+        """The launcher's orders; ValueError, one line naming the field
+        (:func:`pgbase.json_shape.convert`: an unknown field by name, a
+        wrong type by msgspec's path, e.g. ``$.tp_rank``)."""
+        return convert(obj, cls, "rank config")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

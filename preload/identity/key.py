@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from pgbase.json_shape import convert
+
 PROTOCOL_VERSION = 1
 EXPORT_STAGES = ("raw", "loaded", "processed")
 
@@ -66,23 +68,6 @@ class WeightCacheKey:
 
     @classmethod
     def from_json(cls, obj: Any) -> WeightCacheKey:
-        """Parse a key from the wire; unknown or missing fields are a ValueError."""
-        if not isinstance(obj, dict):
-            raise ValueError("cache key must be a JSON object")
-        names = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(obj) - set(names))
-        if unknown:
-            raise ValueError(f"unknown cache key fields: {unknown}")
-        if "content_digest" not in obj:
-            raise ValueError("cache key lacks content_digest")
-        for k, v in obj.items():
-            default = getattr(cls, k, None) if k != "content_digest" else ""
-            expected = type(default) if default is not None else (str, type(None))
-            if isinstance(expected, type) and expected in (int, bool, str):
-                if expected is int and (not isinstance(v, int) or isinstance(v, bool)):
-                    raise ValueError(f"cache key field {k} must be an integer")
-                if expected is not int and not isinstance(v, expected):
-                    raise ValueError(f"cache key field {k} must be {expected.__name__}")
-            elif v is not None and not isinstance(v, str):
-                raise ValueError(f"cache key field {k} must be a string or null")
-        return cls(**obj)
+        """Parse a key from the wire; an unknown, missing or mistyped field is
+        a ValueError naming it (:func:`pgbase.json_shape.convert`)."""
+        return convert(obj, cls, "cache key")

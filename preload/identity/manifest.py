@@ -37,6 +37,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from pgbase import atomic
 from pgbase.errors import CheckpointError, ManifestError, WriteError
 from pgbase.fileset import select_files, servable
@@ -88,40 +90,28 @@ class Manifest:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, obj: dict) -> Manifest:
+    def from_json(cls, obj: Any, source: str = "manifest") -> Manifest:
+        """Parse a manifest read from ``source`` (its path, for the message).
+
+        Another version is a :class:`StaleManifestError` (re-promote); a
+        wrong shape is a :class:`ManifestError` naming ``source``, msgspec's
+        path to the field (``$.shards[0].stat.ino``) and the command to run.
+        """
+        checkpoint = obj.get("checkpoint", "CKPT") if isinstance(obj, dict) else "CKPT"
         try:
-            if obj["version"] != MANIFEST_VERSION:
+            # The version first: an older manifest may lack fields this one requires.
+            version = msgspec.convert(obj, _Versioned).version
+            if version != MANIFEST_VERSION:
                 raise StaleManifestError(
-                    f"manifest version {obj['version']} is not {MANIFEST_VERSION}; run: preload-gate promote "
-                    f"{obj.get('checkpoint', 'CKPT')}")
-            shards = tuple(
-                ShardRecord(
-                    name=s["name"],
-                    size=s["size"],
-                    sha256=s["sha256"],
-                    stat=FileStat(**s["stat"]),
-                    tensor_digests=s.get("tensor_digests"),
-                )
-                for s in obj["shards"]
-            )
-            index = obj.get("index_stat")
-            dir_stat = obj.get("dir_stat")
-            subdirs = obj.get("subdir_stats")
-            return cls(
-                checkpoint=obj["checkpoint"],
-                digest=obj["digest"],
-                config_digest=obj.get("config_digest"),
-                shards=shards,
-                index_stat=FileStat(**index) if index else None,
-                dir_stat=FileStat(**dir_stat) if dir_stat else None,
-                subdir_stats=None if subdirs is None else {k: FileStat(**v) for k, v in subdirs.items()},
-                index_file=obj.get("index_file", INDEX_NAME),
-                selection=obj.get("selection", ""),
-                created=obj.get("created", 0.0),
-                version=obj["version"],
-            )
-        except (KeyError, TypeError) as exc:
-            raise ManifestError(f"malformed manifest: {exc}") from exc
+                    f"manifest version {version} is not {MANIFEST_VERSION}; run: preload-gate promote {checkpoint}")
+            return msgspec.convert(obj, cls)
+        except msgspec.ValidationError as exc:
+            raise ManifestError(
+                f"{source} is malformed ({exc}); run: preload-gate promote {checkpoint}") from exc
+
+
+class _Versioned(msgspec.Struct):
+    version: Any
 
 
 def default_cache_dir() -> Path:
@@ -270,7 +260,7 @@ def load_manifest(
             continue
         except (OSError, ValueError) as exc:
             raise ManifestError(f"unreadable manifest {path}: {exc}") from exc
-        return Manifest.from_json(obj)
+        return Manifest.from_json(obj, source=f"manifest {path}")
     return None
 
 

@@ -27,6 +27,7 @@ import abc
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
 ALIGN = 256
@@ -68,12 +69,13 @@ class Entry:
         }
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> Entry:
-        return cls(
-            name=str(obj["name"]), dtype=str(obj["dtype"]),
-            shape=tuple(int(d) for d in obj["shape"]),
-            offset=int(obj["offset"]), nbytes=int(obj["nbytes"]), kind=str(obj.get("kind", "param")),
-        )
+    def from_json(cls, obj: Any) -> Entry:
+        """One entry from the wire; ValueError names the field (msgspec's
+        path, e.g. ``$.shape[1]``). Unknown fields are ignored."""
+        try:
+            return msgspec.convert(obj, cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"layout entry: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -95,8 +97,13 @@ class Layout:
         return [e.to_json() for e in self.entries]
 
     @classmethod
-    def from_json(cls, items: list[dict[str, Any]], total_bytes: int) -> Layout:
-        entries = tuple(Entry.from_json(i) for i in items)
+    def from_json(cls, items: Any, total_bytes: int) -> Layout:
+        """The daemon's ``entries`` list against its ``total_bytes``; a
+        ValueError names the entry that is malformed or outside the arena."""
+        try:
+            entries = msgspec.convert(items, tuple[Entry, ...])
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"layout entries: {exc}") from exc
         for e in entries:
             if e.offset < 0 or e.nbytes < 0 or e.offset + e.nbytes > total_bytes:
                 raise ValueError(f"entry {e.name} lies outside the arena")

@@ -9,7 +9,8 @@ handle is a single ``cudaIpcOpenMemHandle`` (an H200 probe: one arena plus
 The handle travels as JSON. ``UntypedStorage._share_cuda_()`` returns an
 8-tuple ``(device, handle, size, offset, ref_counter_handle,
 ref_counter_offset, event_handle, event_sync_required)``; its byte strings
-go out as base64 and ``UntypedStorage._new_shared_cuda(...)`` rebuilds the
+go out as base64 (msgspec's JSON form of ``bytes``: the handle and the
+descriptor are msgspec Structs, so their shape is checked by msgspec) and ``UntypedStorage._new_shared_cuda(...)`` rebuilds the
 storage on the other side. No pickle: ``torch.multiprocessing`` would
 serialise the same tuple with pickle, and a peer that can make us unpickle
 can make us run code.
@@ -34,12 +35,10 @@ daemon on *its own* GPU.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import os
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 
+import msgspec
 import torch
 
 from pgbase.errors import WeightCacheUnavailableError
@@ -47,7 +46,9 @@ from preload.transports.base import Arena, Attachment, Layout, Transport, view
 
 ARENA = "arena"
 PER_TENSOR = "per_tensor"
-MODES = (ARENA, PER_TENSOR)
+Mode = Literal["arena", "per_tensor"]
+MODES: tuple[str, ...] = get_args(Mode)
+_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 def device_uuid(index: int) -> str:
@@ -64,15 +65,14 @@ def local_index(uuid: str) -> int | None:
     return None
 
 
-@dataclass(frozen=True)
-class IpcHandle:
-    """The JSON form of one ``_share_cuda_()`` tuple."""
+class IpcHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The JSON form of one ``_share_cuda_()`` tuple (bytes as base64)."""
 
     handle: bytes
-    storage_size: int
-    storage_offset: int
+    storage_size: _NonNegative
+    storage_offset: _NonNegative
     ref_counter: bytes
-    ref_counter_offset: int
+    ref_counter_offset: _NonNegative
     event: bytes
     event_sync_required: bool
 
@@ -94,39 +94,16 @@ class IpcHandle:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "handle": _b64(self.handle), "storage_size": self.storage_size,
-            "storage_offset": self.storage_offset, "ref_counter": _b64(self.ref_counter),
-            "ref_counter_offset": self.ref_counter_offset, "event": _b64(self.event),
-            "event_sync_required": self.event_sync_required,
-        }
+        return msgspec.to_builtins(self)
 
     @classmethod
     def from_json(cls, obj: Any) -> IpcHandle:
-        """Parse a handle from the wire; anything malformed is named."""
-        if not isinstance(obj, dict):
-            raise WeightCacheUnavailableError("cuda descriptor: a handle is not a JSON object")
-        want = {
-            "handle": str, "storage_size": int, "storage_offset": int, "ref_counter": str,
-            "ref_counter_offset": int, "event": str, "event_sync_required": bool,
-        }
-        unknown = sorted(set(obj) - set(want))
-        if unknown:
-            raise WeightCacheUnavailableError(f"cuda descriptor: unknown handle fields {unknown}")
-        for name, typ in want.items():
-            value = obj.get(name)
-            if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-                raise WeightCacheUnavailableError(
-                    f"cuda descriptor: handle field {name!r} must be {typ.__name__}"
-                )
-        if obj["storage_size"] < 0 or obj["storage_offset"] < 0 or obj["ref_counter_offset"] < 0:
-            raise WeightCacheUnavailableError("cuda descriptor: negative size or offset in a handle")
-        return cls(
-            handle=_unb64(obj["handle"], "handle"), storage_size=obj["storage_size"],
-            storage_offset=obj["storage_offset"], ref_counter=_unb64(obj["ref_counter"], "ref_counter"),
-            ref_counter_offset=obj["ref_counter_offset"], event=_unb64(obj["event"], "event"),
-            event_sync_required=obj["event_sync_required"],
-        )
+        """Parse a handle from the wire; WeightCacheUnavailableError names
+        what is malformed (msgspec's path: ``$.storage_offset``)."""
+        try:
+            return msgspec.convert(obj, cls)
+        except msgspec.ValidationError as exc:
+            raise WeightCacheUnavailableError(f"cuda descriptor: bad handle: {exc}") from exc
 
     def open(self, device: int) -> torch.UntypedStorage:
         """Map the exporter's memory in this process (never in the exporter itself)."""
@@ -138,38 +115,36 @@ class IpcHandle:
             )
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
+class _Descriptor(msgspec.Struct):
+    """What ``CudaArena.descriptor()`` sends; other fields (``device_index``,
+    ``pid``) are for people reading a frame and are not checked."""
 
-
-def _unb64(text: str, name: str) -> bytes:
-    try:
-        return base64.b64decode(text.encode("ascii"), validate=True)
-    except (binascii.Error, UnicodeEncodeError) as exc:
-        raise WeightCacheUnavailableError(f"cuda descriptor: field {name!r} is not base64") from exc
+    kind: str
+    mode: Mode
+    gpu_uuid: Annotated[str, msgspec.Meta(min_length=1)]
+    size: int
+    handles: list[IpcHandle]
 
 
 def parse_descriptor(descriptor: Any, layout: Layout) -> tuple[str, str, list[IpcHandle]]:
     """Check a descriptor against the layout; returns (mode, gpu_uuid, handles).
 
     Pure JSON work (no CUDA), so it is unit-tested on machines without a GPU.
+    Raises WeightCacheUnavailableError naming the field (msgspec's path) or
+    the size that does not fit the layout.
     """
-    if not isinstance(descriptor, dict) or descriptor.get("kind") != "cuda":
-        kind = descriptor.get("kind") if isinstance(descriptor, dict) else None
+    kind = descriptor.get("kind") if isinstance(descriptor, dict) else None
+    if kind != "cuda":
         raise WeightCacheUnavailableError(f"descriptor is for transport {kind!r}, not cuda")
-    mode, uuid, size = descriptor.get("mode"), descriptor.get("gpu_uuid"), descriptor.get("size")
-    if mode not in MODES:
-        raise WeightCacheUnavailableError(f"cuda descriptor: mode {mode!r} is not one of {MODES}")
-    if not isinstance(uuid, str) or not uuid:
-        raise WeightCacheUnavailableError("cuda descriptor lacks the daemon's gpu_uuid")
-    if size != layout.total_bytes:
+    try:
+        d = msgspec.convert(descriptor, _Descriptor)
+    except msgspec.ValidationError as exc:
+        raise WeightCacheUnavailableError(f"cuda descriptor: {exc}") from exc
+    mode, handles = d.mode, d.handles
+    if d.size != layout.total_bytes:
         raise WeightCacheUnavailableError(
-            f"cuda descriptor: arena of {size} bytes, the layout needs {layout.total_bytes}"
+            f"cuda descriptor: arena of {d.size} bytes, the layout needs {layout.total_bytes}"
         )
-    raw = descriptor.get("handles")
-    if not isinstance(raw, list):
-        raise WeightCacheUnavailableError("cuda descriptor: 'handles' must be a list")
-    handles = [IpcHandle.from_json(h) for h in raw]
     want = 1 if mode == ARENA else len(layout.entries)
     if len(handles) != want:
         raise WeightCacheUnavailableError(
@@ -187,7 +162,7 @@ def parse_descriptor(descriptor: Any, layout: Layout) -> tuple[str, str, list[Ip
                     f"cuda descriptor: tensor {entry.name} needs {entry.nbytes} bytes, "
                     f"its storage holds {h.storage_size}"
                 )
-    return mode, uuid, handles
+    return mode, d.gpu_uuid, handles
 
 
 def _flat(storage: torch.UntypedStorage, nbytes: int, device: int) -> torch.Tensor:

@@ -128,6 +128,7 @@ def test_golden_round_trips_and_keys_on_everything_that_decides_answers(tmp_path
             "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}}
     assert g.token_text(5) == "five" and g.token_text(6) is None
     assert g.to_json()["format"] == FORMAT
+    assert g.to_json() == _golden_json()  # every field back as written
 
 
 @pytest.mark.parametrize(
@@ -135,7 +136,12 @@ def test_golden_round_trips_and_keys_on_everything_that_decides_answers(tmp_path
     [
         (lambda o: o.update(format="other/1"), "format"),
         (lambda o: o.update(digest="xyz"), "64 hex"),
-        (lambda o: o.pop("vllm_version"), "malformed"),
+        (lambda o: o.pop("vllm_version"), "malformed golden record .*missing required field `vllm_version`"),
+        # Shapes are msgspec's: the message names the path to the field.
+        (lambda o: o["prompts"][0].update(token_ids=["5", 6, 7]), r"got `str` - at `\$.prompts\[0\].token_ids\[0\]`"),
+        (lambda o: o["sampling"].update(ignore_eos=1), r"got `int` - at `\$.sampling.ignore_eos`"),
+        (lambda o: o.update(settings={"dtype": "float16", "tp": 2}), r"unknown fields \['tp'\]"),
+        (lambda o: o.update(config_digest="CD" * 31), "config_digest is not 64 hex"),
         (lambda o: o.update(prompts=[]), "no prompt"),
         (lambda o: o["prompts"][0].update(token_ids=[1]), "max_tokens=3"),
         (lambda o: o["sampling"].update(temperature=0.7), "temperature must be 0"),

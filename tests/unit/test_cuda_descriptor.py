@@ -57,6 +57,8 @@ def _broken(change: str) -> dict:
         desc["mode"] = "pickled"
     elif change == "uuid":
         del desc["gpu_uuid"]
+    elif change == "empty_uuid":
+        desc["gpu_uuid"] = ""
     elif change == "size":
         desc["size"] = LAYOUT.total_bytes + 256
     elif change == "count":
@@ -79,10 +81,15 @@ def _broken(change: str) -> dict:
 @pytest.mark.parametrize(
     "change,message",
     [
-        ("kind", "not cuda"), ("mode", "mode 'pickled'"), ("uuid", "gpu_uuid"),
-        ("size", "the layout needs"), ("count", "needs 1 handle"), ("base64", "not base64"),
-        ("bool_as_int", "storage_offset"), ("negative", "negative"), ("unknown_field", "unknown handle fields"),
-        ("small_storage", "shared storage holds"), ("missing_field", "'event'"),
+        # Shape errors are msgspec's: the message names the path.
+        ("kind", "not cuda"), ("mode", r"'pickled' - at `\$.mode`"), ("uuid", "field `gpu_uuid`"),
+        ("empty_uuid", r"length >= 1 - at `\$.gpu_uuid`"),
+        ("size", "the layout needs"), ("count", "needs 1 handle"),
+        ("base64", r"base64 encoded string - at `\$.handles\[0\].handle`"),
+        ("bool_as_int", r"got `bool` - at `\$.handles\[0\].storage_offset`"),
+        ("negative", r">= 0 - at `\$.handles\[0\].storage_offset`"),
+        ("unknown_field", "unknown field `__reduce__`"),
+        ("small_storage", "shared storage holds"), ("missing_field", "field `event`"),
     ],
 )
 def test_malformed_descriptors_are_refused_by_name(change: str, message: str) -> None:

@@ -145,12 +145,16 @@ def test_fds_travel_with_the_frame(pair, tmp_path):
     ({}, "lacks a string 'cmd'"),
     ({"cmd": 3}, "lacks a string 'cmd'"),
     ({"cmd": "format_disk"}, "unknown command"),
-    ({"cmd": "hello", "client": "x"}, "missing field 'protocol'"),
-    ({"cmd": "hello", "protocol": "1", "client": "x"}, "must be int"),
-    ({"cmd": "hello", "protocol": True, "client": "x"}, "got a boolean"),
-    ({"cmd": "hello", "protocol": 1, "client": "x", "pid": "12"}, "'pid' must be int"),
-    ({"cmd": "get_state", "key": "content"}, "'key' must be dict"),
-    ({"cmd": "stats", "extra": 1}, "unknown field 'extra'"),
+    # Field checks are msgspec's: its message names the path, after the command.
+    ({"cmd": "hello", "client": "x"}, "hello: Object missing required field `protocol`"),
+    ({"cmd": "hello", "protocol": "1", "client": "x"}, r"Expected `int`, got `str` - at `\$.protocol`"),
+    ({"cmd": "hello", "protocol": True, "client": "x"}, "got `bool`"),
+    ({"cmd": "hello", "protocol": 1.0, "client": "x"}, "got `float`"),
+    ({"cmd": "hello", "protocol": 1, "client": "x", "pid": "12"}, r"at `\$.pid`"),
+    # An optional field may be absent, never null.
+    ({"cmd": "hello", "protocol": 1, "client": "x", "pid": None}, r"got `null` - at `\$.pid`"),
+    ({"cmd": "get_state", "key": "content"}, r"get_state: Expected `object`, got `str` - at `\$.key`"),
+    ({"cmd": "stats", "extra": 1}, "stats: Object contains unknown field `extra`"),
 ])
 def test_schema_rejects_by_name(body, match):
     with pytest.raises(ProtocolError, match=match):
@@ -161,6 +165,7 @@ def test_schema_rejects_by_name(body, match):
     {"cmd": "hello", "protocol": 1, "client": "x"},
     {"cmd": "hello", "protocol": 1, "client": "x", "pid": 7},
     {"cmd": "get_state", "key": {"content_digest": "a" * 64}},
+    {"cmd": "get_state", "key": {"content_digest": "a" * 64}, "client": "x"},
     {"cmd": "get_memory"}, {"cmd": "watch"}, {"cmd": "release"}, {"cmd": "stats"},
 ])
 def test_schema_accepts_every_command(body):

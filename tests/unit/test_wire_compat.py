@@ -1,0 +1,158 @@
+"""Wire compatibility across the msgspec change, against fixed bytes.
+
+Every frame below was produced by ``protocol.encode`` of the release before
+the hand-written validators were replaced with msgspec (commit 70fcf10), from
+the bodies its daemon and client build. Both directions are held:
+
+- old -> new: the bytes a current daemon or engine sends decode and pass the
+  new validators (requests, reply envelopes, cache key, layout, descriptors);
+- new -> old: what the new code builds for the same frame is the very same
+  bytes, so the old decoder (``json.loads`` and the old field checks, which
+  accepted exactly these bytes) accepts it.
+
+A control per direction: a frame one byte off is refused, and a key with one
+field of the wrong type does not round-trip.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+
+from pgbase.errors import ProtocolError
+from preload import protocol
+from preload.identity.key import WeightCacheKey
+from preload.transports.base import Layout
+from preload.transports.cuda import IpcHandle, parse_descriptor
+
+pytestmark = pytest.mark.unit
+
+_KEY = (
+    b'{"content_digest":"abababababababababababababababababababababababababababababababab",'
+    b'"config_digest":null,"architecture":"LlamaForCausalLM","dtype":"bfloat16","quantization":null,'
+    b'"quant_config_digest":null,"rope_digest":null,"kv_cache_dtype":"auto","tp_size":2,"tp_rank":1,'
+    b'"pp_size":1,"pp_rank":0,"dp_size":1,"dp_rank":0,"enable_expert_parallel":false,'
+    b'"expert_placement_strategy":"linear","kv_cache_dtype_skip_layers":"[]","is_draft":false,'
+    b'"moe_backend":"auto","linear_backend":"auto","linear_backend_per_quant":"[]",'
+    b'"kernel_backend":"auto","export_stage":"loaded","transport":"shm","vllm_version":"0.33.0",'
+    b'"protocol_version":1}'
+)
+_IDENTITY = (
+    b'"daemon_id":"d-1","digest":"abababababababababababababababababababababababababababababababab",'
+    b'"rank":0,"stage":"loaded","transport":"shm","pid":7,"gpu_uuid":null'
+)
+_ENTRIES = (
+    b'[{"name":"model.embed.weight","dtype":"bfloat16","shape":[4,8],"offset":0,"nbytes":64,"kind":"param"},'
+    b'{"name":"rope.cos","dtype":"float32","shape":[3],"offset":256,"nbytes":12,"kind":"buffer"}]'
+)
+_CUDA_DESCRIPTOR = (
+    b'{"kind":"cuda","mode":"arena","size":512,"gpu_uuid":"GPU-1234","device_index":0,"pid":7,'
+    b'"handles":[{"handle":"AP8QaXBj","storage_size":512,"storage_offset":0,'
+    b'"ref_counter":"L3RvcmNoXzFfMg==","ref_counter_offset":8,"event":"","event_sync_required":false}]}'
+)
+# name -> the whole frame (header included) as the old code encoded it.
+FRAMES: dict[str, bytes] = {
+    "hello": b'\x00\x00\x00?{"cmd":"hello","protocol":1,"client":"preload-gate","pid":4242}',
+    "hello_reply": b'\x00\x00\x00\xbe{"status":"ok","protocol":1,' + _IDENTITY + b"}",
+    "get_state": b'\x00\x00\x02\x8e{"cmd":"get_state","key":' + _KEY + b"}",
+    "ok_shm": (
+        b'\x00\x00\x04\xf0{"status":"ok",' + _IDENTITY + b',"entries":' + _ENTRIES
+        + b',"total_bytes":512,"aliases":{"lm_head.weight":"model.embed.weight"},'
+        b'"descriptor":{"kind":"shm","size":512,"seals":["F_SEAL_SEAL","F_SEAL_WRITE"]},"key":' + _KEY
+        + b',"checksums":{"model.embed.weight":"0000000000000000000000000000000000000000000000000000000000000000"}}'
+    ),
+    "cuda_descriptor": b"\x00\x00\x00\xff" + _CUDA_DESCRIPTOR,
+    "mismatch": (
+        b'\x00\x00\x03\x0b{"status":"mismatch","fields":["dtype","tp_size"],"key":' + _KEY
+        + b',"daemon_id":"d-1","digest":"abababababababababababababababababababababababababababababababab"}'
+    ),
+    "error": b'\x00\x00\x007{"status":"error","error":"get_state: bad key: \\u00e9"}',
+    "stats": b'\x00\x00\x00V{"status":"ok","load_seconds":1.25,"misses":{"key_mismatch:dtype":2},"released":false}',
+}
+
+KEY = WeightCacheKey(content_digest="ab" * 32, architecture="LlamaForCausalLM", dtype="bfloat16",
+                     tp_size=2, tp_rank=1, vllm_version="0.33.0")
+LAYOUT = Layout.plan([("model.embed.weight", torch.bfloat16, (4, 8), "param"),
+                      ("rope.cos", torch.float32, (3,), "buffer")])
+HANDLE = IpcHandle(handle=b"\x00\xff\x10ipc", storage_size=512, storage_offset=0, ref_counter=b"/torch_1_2",
+                   ref_counter_offset=8, event=b"", event_sync_required=False)
+
+
+def _built(name: str) -> dict:
+    """The body the new code builds for frame ``name`` (as daemon and client do)."""
+    identity = {"daemon_id": "d-1", "digest": "ab" * 32, "rank": 0, "stage": "loaded",
+                "transport": "shm", "pid": 7, "gpu_uuid": None}
+    return {
+        "hello": lambda: protocol.hello_request("preload-gate", 4242),
+        "hello_reply": lambda: {"status": "ok", "protocol": protocol.PROTOCOL_VERSION, **identity},
+        "get_state": lambda: {"cmd": "get_state", "key": KEY.to_json()},
+        "ok_shm": lambda: {
+            "status": "ok", **identity, "entries": LAYOUT.to_json(), "total_bytes": LAYOUT.total_bytes,
+            "aliases": {"lm_head.weight": "model.embed.weight"},
+            "descriptor": {"kind": "shm", "size": 512, "seals": ["F_SEAL_SEAL", "F_SEAL_WRITE"]},
+            "key": KEY.to_json(), "checksums": {"model.embed.weight": "0" * 64},
+        },
+        "cuda_descriptor": lambda: {"kind": "cuda", "mode": "arena", "size": 512, "gpu_uuid": "GPU-1234",
+                                    "device_index": 0, "pid": 7, "handles": [HANDLE.to_json()]},
+        "mismatch": lambda: {"status": "mismatch", "fields": ["dtype", "tp_size"], "key": KEY.to_json(),
+                             "daemon_id": "d-1", "digest": "ab" * 32},
+        "error": lambda: protocol.error_reply("get_state: bad key: é"),
+        "stats": lambda: {"status": "ok", "load_seconds": 1.25, "misses": {"key_mismatch:dtype": 2},
+                          "released": False},
+    }[name]()
+
+
+def _received(data: bytes) -> protocol.Frame:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        a.sendall(data)
+        frame = protocol.recv_frame(b, 5.0)
+    finally:
+        a.close()
+        b.close()
+    assert frame is not None
+    return frame
+
+
+@pytest.mark.parametrize("name", sorted(FRAMES))
+def test_new_code_sends_the_old_bytes(name: str) -> None:
+    """new -> old: byte-identical, and the old decoder's parse of it is the body."""
+    data = protocol.encode(_built(name))
+    assert data == FRAMES[name]
+    assert json.loads(data[4:].decode("utf-8")) == _built(name)
+
+
+@pytest.mark.parametrize("name", sorted(FRAMES))
+def test_old_bytes_decode_and_validate(name: str) -> None:
+    """old -> new: the fixed bytes come off a socket as the body and pass its validator."""
+    body = _received(FRAMES[name]).body
+    assert body == _built(name)
+    if "cmd" in body:
+        assert protocol.check_request(body) == body["cmd"]
+    elif name == "cuda_descriptor":
+        assert parse_descriptor(body, LAYOUT) == ("arena", "GPU-1234", [HANDLE])
+    elif name == "error":
+        with pytest.raises(ProtocolError, match="daemon refused get_state: get_state: bad key: é"):
+            protocol.check_reply(body, "get_state")
+    else:
+        assert protocol.check_reply(body, "get_state") is body
+    if "key" in body:
+        assert WeightCacheKey.from_json(body["key"]) == KEY
+    if "entries" in body:
+        assert Layout.from_json(body["entries"], body["total_bytes"]) == LAYOUT
+
+
+def test_control_a_frame_one_byte_short_is_refused() -> None:
+    data = FRAMES["hello"]
+    with pytest.raises(ProtocolError):
+        _received(data[:-1])
+
+
+def test_control_a_key_with_one_wrong_type_is_refused() -> None:
+    obj = json.loads(_KEY)
+    obj["tp_size"] = "2"
+    with pytest.raises(ValueError, match="tp_size"):
+        WeightCacheKey.from_json(obj)
