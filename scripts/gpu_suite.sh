@@ -5,8 +5,9 @@
 # 2. the GPU tests (tests/gpu) plus the checksum/descriptor unit tests;
 # 3. the GPU benchmark rows (gpu_checksum, gpu_attach, gpu_daemon_attach)
 #    at BENCH_SIZE (default 8G), raw numbers in OUTDIR/bench/bench.json.
-# Needs only what the GPU machine's python3 has (torch, triton,
-# transformers, safetensors, pytest); the repo runs from its checkout.
+# Needs what the GPU machine's python3 has (torch, triton,
+# transformers, safetensors, pytest), plus msgspec from a wheel carried in
+# .whl/ (see below); the repo runs from its checkout.
 set -u -o pipefail
 OUT=${1:?usage: gpu_suite.sh OUTDIR [BENCH_SIZE]}
 SIZE=${2:-8G}
@@ -15,6 +16,14 @@ mkdir -p "$OUT/bench"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PRELOAD_GATE_BENCH_DIR=${PRELOAD_GATE_BENCH_DIR:-/tmp}
 status=0
+# msgspec (the wire and manifest schemas) is not on the GPU image: install it
+# beside the run from a wheel carried in .whl/ (device call: carry [".whl"]).
+if ! $PY -c "import msgspec" 2>/dev/null; then
+    wheel=$(ls .whl/msgspec-*.whl 2>/dev/null | head -1)
+    [ -n "$wheel" ] || { echo "gpu_suite: msgspec missing and no .whl/msgspec-*.whl carried" >&2; exit 2; }
+    $PY -m pip install -q --no-deps --target /tmp/pg-gpu-deps "$wheel" || exit 2
+    export PYTHONPATH="$PYTHONPATH:/tmp/pg-gpu-deps"
+fi
 
 $PY - <<'PY' 2>&1 | tee "$OUT/env.txt"
 import json, platform, subprocess
