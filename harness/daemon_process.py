@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import selectors
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pgbase.errors import PreloadGateError
+from pgbase.procs import stop_group
 from preload.daemon.parent import PARENT_PID_ENV
 
 READY_TIMEOUT_S = 240.0
@@ -113,32 +113,11 @@ class DaemonProcess:
         return "; log tail:\n" + text[-chars:] if text else ""
 
     def stop(self) -> None:
-        """SIGTERM the group (clean shutdown removes sockets), SIGKILL stragglers."""
+        """SIGTERM the group (clean shutdown removes sockets; 15 s), SIGKILL
+        stragglers (5 s), reap the launcher (5 s)."""
         if self.proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                # Reap the leader first: an unreaped (zombie) leader keeps its
-                # group alive for killpg(pid, 0), so the loop would wait out
-                # the whole deadline after a clean exit.
-                self.proc.poll()
-                try:
-                    os.killpg(self.proc.pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.1)
-            else:
-                continue
-            break
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+        stop_group(self.proc, term_s=15.0, kill_s=5.0)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self.proc = None
