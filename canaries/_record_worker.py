@@ -9,11 +9,10 @@ so everything runs under ``if __name__ == "__main__"``.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-from pathlib import Path
 from typing import Any
+
+from canaries.worker import worker_main
 
 
 def _record(spec: dict[str, Any]) -> dict[str, Any]:
@@ -75,25 +74,7 @@ def _record(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m canaries._record_worker SPEC.json OUT.json", file=sys.stderr)
-        return 2
-    spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    try:
-        result = _record(spec)
-    except Exception as exc:  # the caller needs the reason as data, not a traceback in a log
-        import traceback
-
-        traceback.print_exc()
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    from pgbase import atomic
-
-    atomic.write_json(argv[1], result)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # vLLM's CPU engine-core children sometimes hang at interpreter exit;
-    # the result is on disk, and the parent kills the process group.
-    os._exit(0 if result["ok"] else 1)
+    return worker_main("canaries._record_worker", argv, lambda spec, _out: _record(spec))
 
 
 if __name__ == "__main__":

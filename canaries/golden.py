@@ -25,11 +25,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -39,6 +37,7 @@ import msgspec
 from canaries.errors import GoldenError
 from canaries.prompts import DEFAULT_PROMPTS
 from pgbase import atomic
+from pgbase.procs import stop_group
 from pgbase.shards import shard_paths
 from preload.deployment import DeploymentSettings, SettingsError, answer_identity
 from preload.identity.digest import content_digest
@@ -302,8 +301,7 @@ def _run_worker(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 rc = None
             finally:
-                _kill_group(proc.pid)
-                proc.wait()
+                stop_group(proc, term_s=5.0, kill_s=5.0, reap_s=None)
         tail = log_path.read_bytes()[-3000:].decode("utf-8", "replace")
         if rc is None:
             raise GoldenError(f"recording engine timed out after {timeout_s:.0f} s; log tail:\n{tail}")
@@ -314,18 +312,3 @@ def _run_worker(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     if not result.get("ok"):
         raise GoldenError(f"recording engine failed: {result.get('error')}")
     return result
-
-
-def _kill_group(pgid: int) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)

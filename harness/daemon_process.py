@@ -11,19 +11,17 @@ second and removes its socket directory.
 
 from __future__ import annotations
 
-import json
 import os
-import selectors
-import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pgbase.errors import PreloadGateError
+from pgbase.procs import stop_group
 from preload.daemon.parent import PARENT_PID_ENV
+from preload.daemon.ready import READY, NotReadyError, start_preload, wait_ready
 
 READY_TIMEOUT_S = 240.0
 
@@ -50,56 +48,30 @@ class DaemonProcess:
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> DaemonProcess:
         # --exit-with-parent: a gate killed by any signal, SIGKILL included,
         # must not leave a resident daemon and its socket directory behind.
-        cmd = [sys.executable, "-m", "preload_gate", "preload", self.checkpoint,
-               "--socket-root", self.socket_root, *(["--exit-with-parent"] if self.exit_with_parent else []),
-               *self.args]
+        args = [self.checkpoint, "--socket-root", self.socket_root,
+                *(["--exit-with-parent"] if self.exit_with_parent else []), *self.args]
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.update(self.env)
         env[PARENT_PID_ENV] = str(os.getpid())  # whom --exit-with-parent watches, even if we die at once
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the daemon
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
-        log.close()
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        buf = b""
-        deadline = t0 + timeout_s
+        with open(self.log_path, "wb") as log:
+            self.proc = start_preload(args, env=env, stderr=log, new_session=True)
         try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
+            try:
+                self.ready = wait_ready(self.proc, READY, timeout_s)
+            except NotReadyError as exc:
+                if exc.timed_out:
                     raise DaemonStartError(f"daemon on {self.checkpoint} not ready after {timeout_s:.0f} s"
-                                           f"{self._tail()}")
-                if not sel.select(timeout=min(left, 1.0)):
-                    if self.proc.poll() is not None:
-                        raise DaemonStartError(f"daemon exited with code {self.proc.returncode} before "
-                                               f"ready{self._tail()}")
-                    continue
-                chunk = os.read(self.proc.stdout.fileno(), 65536)
-                if not chunk:
-                    self.proc.wait(timeout=10)
-                    raise DaemonStartError(f"daemon exited with code {self.proc.returncode} before "
-                                           f"ready{self._tail()}")
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    try:
-                        obj = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(obj, dict) and obj.get("event") == "ready":
-                        self.ready = obj
-                        self.start_seconds = time.monotonic() - t0
-                        return self
+                                           f"{self._tail()}") from None
+                raise DaemonStartError(f"daemon exited with code {exc.returncode} before ready{self._tail()}") \
+                    from None
         except BaseException:
             self.stop()
             raise
-        finally:
-            sel.close()
+        self.start_seconds = time.monotonic() - t0
+        return self
 
     @property
     def digest(self) -> str:
@@ -113,32 +85,11 @@ class DaemonProcess:
         return "; log tail:\n" + text[-chars:] if text else ""
 
     def stop(self) -> None:
-        """SIGTERM the group (clean shutdown removes sockets), SIGKILL stragglers."""
+        """SIGTERM the group (clean shutdown removes sockets; 15 s), SIGKILL
+        stragglers (5 s), reap the launcher (5 s)."""
         if self.proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                # Reap the leader first: an unreaped (zombie) leader keeps its
-                # group alive for killpg(pid, 0), so the loop would wait out
-                # the whole deadline after a clean exit.
-                self.proc.poll()
-                try:
-                    os.killpg(self.proc.pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.1)
-            else:
-                continue
-            break
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+        stop_group(self.proc, term_s=15.0, kill_s=5.0)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self.proc = None

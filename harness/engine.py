@@ -31,6 +31,7 @@ from typing import Any
 
 from pgbase import atomic
 from pgbase.errors import PreloadGateError
+from pgbase.procs import stop_group
 from preload.daemon.parent import PARENT_PID_ENV
 from preload.events import read_events
 
@@ -246,20 +247,8 @@ def unwind_on_signals(verb: str) -> None:
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the worker's whole process group, then SIGKILL what is left."""
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            proc.poll()  # an unreaped leader keeps the group alive for killpg(pid, 0)
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)
+    """SIGTERM the worker's whole process group, then SIGKILL what is left (5 s each)."""
+    stop_group(proc, term_s=5.0, kill_s=5.0)
 
 
 def _tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:

@@ -20,9 +20,9 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
+from canaries.worker import worker_main
 from harness.engine import EXECUTOR_ENV
 
 T0 = time.monotonic()
@@ -189,28 +189,14 @@ def run_server(spec: dict[str, Any], out: str) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m harness.engine_worker SPEC.json OUT.json", file=sys.stderr)
-        return 2
-    spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+def _run_spec(spec: dict[str, Any], out: str) -> dict[str, Any]:
     for k, v in spec.get("env", {}).items():
         os.environ[k] = str(v)
-    try:
-        result = run_server(spec, argv[1]) if spec.get("server") else run(spec)
-    except Exception as exc:  # the verdict needs the reason, not a traceback in the void
-        import traceback
+    return run_server(spec, out) if spec.get("server") else run(spec)
 
-        traceback.print_exc()
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    from pgbase import atomic
 
-    atomic.write_json(argv[1], result)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # vLLM's engine-core processes and atexit hooks occasionally hang on
-    # shutdown on CPU; the result is on disk, so leave without them.
-    os._exit(0 if result["ok"] else 1)
+def main(argv: list[str]) -> int:
+    return worker_main("harness.engine_worker", argv, _run_spec)
 
 
 if __name__ == "__main__":

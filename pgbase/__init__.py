@@ -9,6 +9,8 @@ One module per concern, each importable without torch or vLLM:
 - :mod:`pgbase.fileset`: which weight files vLLM's loader reads;
 - :mod:`pgbase.shards`: that shard set and each shard's safetensors header,
   valid by the safetensors library's own rules.
+- :mod:`pgbase.procs`: stopping a child's whole process group (SIGTERM,
+  wait, SIGKILL, reap the leader).
 
 ``fixtures`` and ``preload`` stand on this package; it imports neither
 (tests/unit/test_import_graph.py holds the arrows).

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
+
+from preload.daemon.ready import READY, NotReadyError, start_preload, stop_daemon, wait_ready
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,26 +45,15 @@ class Daemon:
     def start(self, timeout: float = 120, expect_ready: bool = True) -> Daemon:
         # stderr to a file: a pipe nobody drains would block a chatty daemon.
         self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "preload_gate.cli", "preload", str(self.checkpoint),
-             *(["--socket-root", str(self.root)] if self.root is not None else []), *self.args],
-            stdout=subprocess.PIPE, stderr=self._err, env={**env_for(self.cache), **self.env}, cwd=self.cwd,
+        self.proc = start_preload(
+            [str(self.checkpoint), *(["--socket-root", str(self.root)] if self.root is not None else []), *self.args],
+            stderr=self._err, env={**env_for(self.cache), **self.env}, cwd=self.cwd,
         )
-        end = time.monotonic() + timeout
-        assert self.proc.stdout is not None
-        buf = b""
-        while time.monotonic() < end:
-            r, _, _ = select.select([self.proc.stdout], [], [], 0.2)
-            if r:
-                chunk = os.read(self.proc.stdout.fileno(), 65536)
-                if not chunk:
-                    break
-                buf += chunk
-                if b"\n" in buf:
-                    self.ready = json.loads(buf.split(b"\n", 1)[0])
-                    return self
-            elif self.proc.poll() is not None:
-                break
+        try:
+            self.ready = wait_ready(self.proc, READY, timeout)
+            return self
+        except NotReadyError:
+            pass
         if self.proc.poll() is None:
             self.stop()
         self.proc.wait(30)
@@ -83,13 +73,7 @@ class Daemon:
     def stop(self) -> int:
         if self.proc is None:
             return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_daemon(self.proc, 30)
         self.output = self._stderr()
         return self.proc.returncode
 
@@ -115,13 +99,8 @@ def process_gone(pid: int) -> bool:
     """No such process, or a zombie waiting for its reaper (an orphan's
     reaper may be slow, or absent as PID 1 in a container)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1].startswith("Z")
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return True
 
 

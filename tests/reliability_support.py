@@ -26,7 +26,6 @@ import contextlib
 import errno
 import json
 import os
-import select
 import shutil
 import signal
 import socket
@@ -40,7 +39,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
+import psutil
 import pytest
+
+from preload.daemon.ready import (
+    RANK_READY,
+    READY,
+    NotReadyError,
+    start_preload,
+    start_rank,
+    stop_daemon,
+    wait_ready,
+)
 
 PYTHON = sys.executable
 REPO = Path(__file__).resolve().parents[1]
@@ -279,21 +289,14 @@ class RawDaemon:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.stderr_path = self.cache_dir / f"daemon-{time.monotonic_ns()}.stderr"
         env = isolated_env(self.cache_dir, self.socket_root)
-        if self.entry == "cli":
-            argv = [PYTHON, "-m", "preload_gate", "preload", str(self.checkpoint), "--stage", "raw",
-                    "--socket-root", str(self.socket_root), *self.extra_args]
-            stdin = subprocess.DEVNULL
-        else:
-            argv = [PYTHON, "-m", "preload.daemon.rank"]
-            stdin = subprocess.PIPE
         with open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=err, env=env, cwd=REPO)
-        if self.entry != "cli":
-            assert self.proc.stdin is not None
-            cfg = {"checkpoint": str(self.checkpoint), "stage": "raw", "transport": "shm",
-                   "socket_root": str(self.socket_root), "expected_digest": self.expected_digest}
-            self.proc.stdin.write((json.dumps(cfg) + "\n").encode())
-            self.proc.stdin.close()
+            if self.entry == "cli":
+                self.proc = start_preload([str(self.checkpoint), "--stage", "raw", "--socket-root",
+                                           str(self.socket_root), *self.extra_args], env=env, cwd=REPO, stderr=err)
+            else:
+                cfg = {"checkpoint": str(self.checkpoint), "stage": "raw", "transport": "shm",
+                       "socket_root": str(self.socket_root), "expected_digest": self.expected_digest}
+                self.proc = start_rank(cfg, env=env, cwd=REPO, stderr=err)
         self.ready = self._wait_ready(timeout)
         return self
 
@@ -309,25 +312,16 @@ class RawDaemon:
         raise AssertionError(f"daemon started and served: {self.ready}")
 
     def _wait_ready(self, timeout: float) -> dict:
-        assert self.proc is not None and self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        buf = b""
-        while time.monotonic() < deadline:
-            r, _, _ = select.select([self.proc.stdout], [], [], 0.2)
-            if r:
-                chunk = os.read(self.proc.stdout.fileno(), 65536)
-                if not chunk:
-                    break
-                buf += chunk
-                for line in buf.splitlines():
-                    with contextlib.suppress(ValueError):
-                        obj = json.loads(line)
-                        if isinstance(obj, dict) and obj.get("event") in ("ready", "rank_ready"):
-                            return obj
-                        if isinstance(obj, dict) and obj.get("event") == "rank_error":
-                            self.error_text = str(obj.get("error"))
-            if self.proc.poll() is not None:
-                break
+        assert self.proc is not None
+        other: list[str] = []  # stdout lines that are not JSON, for the failure message
+        try:
+            return wait_ready(self.proc, READY if self.entry == "cli" else RANK_READY, timeout, other.append)
+        except NotReadyError as exc:
+            failure, self.error_text = str(exc), exc.error
+        if self.error_text and self.proc.poll() is None:
+            # A rank exits 2 right after its rank_error line: wait for that, kill only a hang.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout)
         if self.proc.poll() is None:
             self.kill()
         else:
@@ -335,7 +329,7 @@ class RawDaemon:
         if not self.error_text:
             lines = [ln for ln in self.stderr().splitlines() if ln.strip()]
             self.error_text = lines[-1] if lines else ""
-        raise RuntimeError(f"daemon did not become ready; stdout={buf!r} stderr={self.stderr()}")
+        raise RuntimeError(f"daemon did not become ready ({failure}); stdout={other!r} stderr={self.stderr()}")
 
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace") if self.stderr_path and self.stderr_path.exists() else ""
@@ -388,12 +382,7 @@ class RawDaemon:
         """SIGTERM, the operator's clean shutdown; SIGKILL if it hangs."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_daemon(self.proc, timeout)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         return self.proc.returncode
@@ -513,15 +502,11 @@ def promote_checkpoint(checkpoint: Path, socket_root: Path, cache_dir: Path) -> 
 
 
 def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    return psutil.Process(pid).num_fds()
 
 
 def thread_count(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("Threads:"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no Threads: line for pid {pid}")
+    return psutil.Process(pid).num_threads()
 
 
 def checkpoint_tensor_digests(checkpoint: Path) -> dict[str, str]:

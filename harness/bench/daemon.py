@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from typing import Any
 
 from harness.bench import BenchError, BenchOptions, BenchResult, Figure, bench_row, default_workdir
 from harness.engine import EngineResult, EngineSpec, run_engine
+from preload.daemon.ready import READY, NotReadyError, start_preload, stop_daemon, wait_ready
 
 _LOAD_LINE = re.compile(r"^PG_WEIGHT_LOAD_SECONDS ([\d.]+)$", re.M)
 
@@ -55,24 +55,14 @@ def _engine(model: Path, workdir: Path, env: dict[str, str], load_format: str = 
 
 class _Daemon:
     def __init__(self, ckpt: Path, root: Path, env: dict[str, str], *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "preload_gate.cli", "preload", str(ckpt), "--socket-root", str(root), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait()
-            raise BenchError(f"daemon exited with {self.proc.returncode} before it was ready")
-        self.ready = json.loads(line)
+        self.proc = start_preload([str(ckpt), "--socket-root", str(root), *args], env=env, stderr=subprocess.DEVNULL)
+        try:
+            self.ready = wait_ready(self.proc, READY, timeout_s=None)
+        except NotReadyError as exc:
+            raise BenchError(f"daemon exited with {exc.returncode} before it was ready") from None
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_daemon(self.proc, 60)
 
 
 def _checkpoint(options: BenchOptions, work: Path) -> Path:

@@ -9,11 +9,9 @@ medians of ``reps`` runs; CUDA work is synchronised before each clock read.
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,19 +27,16 @@ from harness.bench import (
     not_run,
 )
 from harness.bench.gpu import gpu_params, median_ms
+from preload.daemon.ready import READY, NotReadyError, start_preload, wait_ready
 
 
-def _start_daemon(ckpt: Path, root: Path) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "preload_gate", "preload", str(ckpt), "--stage", "raw", "--transport", "cuda",
-         "--identity", "full", "--socket-root", str(root)],
-        stdout=subprocess.PIPE, text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"daemon exited with {proc.wait()} before it was ready")
-    return proc, json.loads(line)
+def _start_daemon(ckpt: Path, root: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    proc = start_preload([str(ckpt), "--stage", "raw", "--transport", "cuda", "--identity", "full",
+                          "--socket-root", str(root)])
+    try:
+        return proc, wait_ready(proc, READY, timeout_s=None)
+    except NotReadyError as exc:
+        raise RuntimeError(f"daemon exited with {exc.returncode} before it was ready") from None
 
 
 @bench_row("gpu_daemon_attach", "engine restart through the daemon: attach+verify vs disk load", needs="cuda")

@@ -4,7 +4,6 @@ their output in a log file, their own process group, and a deadline."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pgbase.errors import PreloadGateError
+from pgbase.procs import stop_group
 
 
 class PrepareError(PreloadGateError):
@@ -34,16 +34,8 @@ def free_port() -> int:
 
 
 def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=10)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """Stop a prepare child's whole process group: SIGTERM, then SIGKILL (10 s each)."""
+    stop_group(proc, term_s=10.0, kill_s=10.0)
 
 
 def run_all(cmds: Sequence[Sequence[str]], logs: Sequence[Path], timeout_s: float,

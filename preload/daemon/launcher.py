@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -36,6 +35,7 @@ from pgbase.errors import ManifestError, PreloadGateError
 from preload.daemon.parent import INTERVAL_S as PARENT_POLL_S
 from preload.daemon.parent import ParentWatch
 from preload.daemon.placement import Parallelism, Placement, plan_local_ranks
+from preload.daemon.ready import RANK_READY, NotReadyError, ReadyLines, start_rank
 from preload.identity.manifest import load_manifest
 from preload.sockets import socket_dir
 from preload.trust import require_unsafe_controls
@@ -118,8 +118,7 @@ def _cpu_slices(n: int) -> list[list[int] | None]:
 class Launcher:
     def __init__(self, opts: PreloadOptions) -> None:
         self.opts = opts
-        self.procs: list[tuple[Placement, subprocess.Popen[str]]] = []
-        self.events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
+        self.procs: list[tuple[Placement, subprocess.Popen[bytes]]] = []
 
     def start(self, interrupted: Callable[[], str | None] = lambda: None) -> dict[str, Any]:
         """Start every rank and wait for all of them; returns the ready event.
@@ -152,35 +151,25 @@ class Launcher:
             env = dict(os.environ)
             if cpus:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "preload.daemon.rank"], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, text=True, env=env,
-            )
-            assert proc.stdin is not None
-            proc.stdin.write(json.dumps(cfg.to_json()) + "\n")
-            proc.stdin.close()
-            self.procs.append((p, proc))
-            threading.Thread(target=self._pump, args=(p.global_rank, proc), daemon=True).start()
-        ready: dict[int, dict[str, Any]] = {}
-        deadline = time.monotonic() + READY_TIMEOUT_S
+            self.procs.append((p, start_rank(cfg.to_json(), env=env)))
+
+        def check_interrupted() -> None:
+            reason = interrupted()
+            if reason:
+                raise StartInterruptedError(f"stopped before every rank served: {reason}")
+
         try:
-            while len(ready) < len(self.procs):
-                try:
-                    rank, event = self.events.get(timeout=min(POLL_S, max(0.1, deadline - time.monotonic())))
-                except queue.Empty:
-                    reason = interrupted()
-                    if reason:
-                        raise StartInterruptedError(f"stopped before every rank served: {reason}") from None
-                    if time.monotonic() >= deadline:
-                        raise RankFailedError(f"ranks not ready after {READY_TIMEOUT_S:g} s") from None
-                    continue
-                if event is None:
-                    code = dict((p.global_rank, pr) for p, pr in self.procs)[rank].wait()
-                    raise RankFailedError(f"rank {rank} exited with code {code} before serving (its log is above)")
-                if event.get("event") == "rank_error":
-                    raise RankFailedError(f"rank {rank}: {event.get('error')}")
-                if event.get("event") == "rank_ready":
-                    ready[rank] = event
+            lines = ReadyLines({p.global_rank: proc for p, proc in self.procs},
+                               other=lambda line: print(line, file=sys.stderr))
+            try:
+                ready = lines.wait(RANK_READY, READY_TIMEOUT_S, on_idle=check_interrupted, poll_s=POLL_S)
+            except NotReadyError as exc:
+                if exc.timed_out:
+                    raise RankFailedError(f"ranks not ready after {READY_TIMEOUT_S:g} s") from None
+                if exc.error:
+                    raise RankFailedError(f"rank {exc.key}: {exc.error}") from None
+                raise RankFailedError(f"rank {exc.key} exited with code {exc.returncode} before serving "
+                                      "(its log is above)") from None
         except BaseException:
             self.stop()
             raise
@@ -193,18 +182,6 @@ class Launcher:
             "event": "ready", "digest": ranks[0]["digest"], "socket_dir": ranks[0]["socket_dir"],
             "ranks": ranks, "pid": os.getpid(), "stage": opts.stage, "transport": opts.transport,
         }
-
-    def _pump(self, rank: int, proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                self.events.put((rank, json.loads(line)))
-            except ValueError:
-                print(line, file=sys.stderr)
-        self.events.put((rank, None))
 
     def alive(self) -> bool:
         return all(proc.poll() is None for _, proc in self.procs)

@@ -32,7 +32,7 @@ from pgbase.errors import CheckpointError, PreloadGateError
 from pgbase.shards import check_unique_tensors, read_header, shard_paths
 from preload.checksum import resident_checksums
 from preload.daemon.proof import ProvenShard, check_digest, torch_dtype, torch_shape
-from preload.daemon.stage import Filled, RankConfig, proc_status
+from preload.daemon.stage import Filled, RankConfig, rss_bytes
 from preload.identity.manifest import Manifest
 from preload.transports.base import Layout, Transport
 
@@ -171,7 +171,7 @@ def fill_model(cfg: RankConfig, transport: Transport, expected: str | None, mani
         loader.get_all_weights = lambda _mc, _m: weights
         loader.counter_before_loading_weights = time.perf_counter()
         # vLLM's imports and config are behind us: what grows from here is weights.
-        baseline_rss = proc_status("VmRSS")
+        baseline_rss = rss_bytes()
         with set_default_torch_dtype(model_config.dtype):
             with device:
                 model = loader.create_model(vllm_config=vllm_config, model_config=model_config)

@@ -23,7 +23,7 @@ from preload.daemon.lock import RankLock
 from preload.daemon.parent import INTERVAL_S as PARENT_POLL_S
 from preload.daemon.parent import ParentWatch
 from preload.daemon.server import RankServer
-from preload.daemon.stage import Filled, RankConfig, proc_status
+from preload.daemon.stage import Filled, RankConfig, peak_rss_bytes, rss_bytes
 from preload.identity.anchors import header_only_digest
 from preload.identity.manifest import load_manifest
 from preload.sockets import ensure_private_dir, socket_dir
@@ -100,11 +100,11 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
     if expected is not None:
         sdir, lock = _lock_rank(expected, cfg)
     try:
-        baseline = proc_status("VmRSS")
+        baseline = rss_bytes()
         filled = _fill(cfg, None if cfg.unsafe_identity else expected)
         # A stage that imports heavy libraries measures its own baseline after them.
         filled.baseline_rss_bytes = filled.baseline_rss_bytes or baseline
-        filled.peak_rss_bytes = proc_status("VmHWM")
+        filled.peak_rss_bytes = peak_rss_bytes()
         if cfg.unsafe_identity is not None:
             import dataclasses
 

@@ -1,6 +1,6 @@
 """A stage's contract: what it is asked to fill (:class:`RankConfig`), what it
 hands the server (:class:`Filled`: a sealed arena and the proof behind it)
-and the memory figures it reports (:func:`proc_status`).
+and the memory figures it reports (:func:`rss_bytes`, :func:`peak_rss_bytes`).
 
 The rank process (:mod:`preload.daemon.rank`) and the stages it runs
 (:mod:`~preload.daemon.raw`, :mod:`~preload.daemon.loaded`) both import
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import psutil
 
 from pgbase.json_shape import convert
 from preload.identity.key import WeightCacheKey
@@ -72,12 +74,20 @@ class RankConfig:
         return asdict(self)
 
 
-def proc_status(field_name: str) -> int:
-    """A byte figure from /proc/self/status (VmRSS now, VmHWM peak); 0 if absent."""
+def rss_bytes() -> int:
+    """This process's resident set now, in bytes (VmRSS, through psutil)."""
+    return int(psutil.Process().memory_info().rss)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set, in bytes (VmHWM of /proc/self/status,
+    proc(5)); 0 if absent. Read by hand: psutil has no peak, and
+    ``getrusage``'s ``ru_maxrss`` is not it (it keeps the peak of the image
+    before exec, the forked parent's)."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
             for line in f:
-                if line.startswith(field_name + ":"):
+                if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass

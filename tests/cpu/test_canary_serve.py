@@ -44,6 +44,7 @@ from canaries.check import check
 from canaries.claims import from_events_file, from_metrics_url
 from canaries.golden import load_golden
 from fixtures.mutations import by_name, copy_checkpoint
+from pgbase.procs import stop_group
 from preload.events import read_events
 from preload.promote import promote
 
@@ -96,24 +97,8 @@ class Replica:
 
     def stop(self) -> None:
         """SIGTERM the group, then SIGKILL what is left (engine-core children
-        can outlive the server process)."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            end = time.monotonic() + 20
-            while time.monotonic() < end:
-                self.proc.poll()
-                try:
-                    os.killpg(self.proc.pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.2)
-            else:
-                continue
-            break
-        self.proc.wait()
+        can outlive the server process); 20 s each."""
+        stop_group(self.proc, term_s=20.0, kill_s=20.0, reap_s=None)
 
 
 def deploy_commands(deploy_sh: Path) -> list[str]:

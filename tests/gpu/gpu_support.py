@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from preload.daemon.ready import READY, NotReadyError, start_preload, stop_daemon, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("engine_probe.py")
@@ -35,29 +35,17 @@ def running_daemon(checkpoint: Path, ready_timeout_s: float = 600.0, args: tuple
     own_root = root is None
     root = root or Path(tempfile.mkdtemp(prefix="pg-gpu-"))
     os.chmod(root, 0o700)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "preload_gate", "preload", str(checkpoint), "--stage", "raw",
-         "--transport", "cuda", "--identity", "full", "--socket-root", str(root), *args],
-        stdout=subprocess.PIPE, text=True, env=probe_env(), cwd=str(REPO),
-    )
-    box: list[str] = []
-    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
-    reader.start()
-    reader.join(ready_timeout_s)
+    proc = start_preload([str(checkpoint), "--stage", "raw", "--transport", "cuda", "--identity", "full",
+                          "--socket-root", str(root), *args], env=probe_env(), cwd=str(REPO))
     try:
-        if not box or not box[0]:
-            raise RuntimeError(f"daemon for {checkpoint} did not become ready (exit code {proc.poll()})")
-        ready = json.loads(box[0])
+        try:
+            ready = wait_ready(proc, READY, ready_timeout_s)
+        except NotReadyError:
+            raise RuntimeError(f"daemon for {checkpoint} did not become ready (exit code {proc.poll()})") from None
         ready["proc"] = proc
         yield ready
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_daemon(proc, 60)
         if own_root:
             shutil.rmtree(root, ignore_errors=True)
 

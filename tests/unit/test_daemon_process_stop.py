@@ -1,4 +1,6 @@
-"""``DaemonProcess.stop`` returns as soon as the daemon's group is gone.
+"""``pgbase.procs.stop_group`` (what ``DaemonProcess.stop``, the engine
+runner, the golden recorder and the prepare children use) returns as soon as
+the group is gone, and kills what outlives its SIGTERM deadline.
 
 The bug it pins: ``os.killpg(pid, 0)`` succeeds while the group leader is an
 unreaped zombie, so a stop that never reaped waited out its whole SIGTERM
@@ -8,14 +10,17 @@ nobody. Every demo paid it twice per target.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from harness.daemon_process import DaemonProcess
+from pgbase.procs import group_alive, stop_group
 
 pytestmark = pytest.mark.unit
 
@@ -54,3 +59,41 @@ def test_control_a_daemon_that_ignores_sigterm_is_killed(tmp_path: Path) -> None
     dp.stop()
     assert time.monotonic() - t0 >= 14.0
     assert proc is not None and proc.returncode == -9
+
+
+def _leader(script: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == b"up\n"
+    return proc
+
+
+def test_control_an_unreaped_leader_keeps_its_group_alive_for_killpg() -> None:
+    # The trap itself: without reaping, killpg(pid, 0) says the group lives.
+    proc = _leader("print('up', flush=True)")
+    ps = psutil.Process(proc.pid)
+    end = time.monotonic() + 60
+    while ps.status() != psutil.STATUS_ZOMBIE and time.monotonic() < end:
+        time.sleep(0.05)
+    assert ps.status() == psutil.STATUS_ZOMBIE
+    os.killpg(proc.pid, 0)  # no ProcessLookupError: the zombie leader counts
+    assert not group_alive(proc)  # reaping first, as stop_group does, sees it gone
+    assert proc.returncode == 0
+
+
+def test_stop_group_kills_a_member_that_outlives_its_leader() -> None:
+    # The leader exits on SIGTERM; a member of its group ignores it. A stop
+    # that waited for the leader only would leave the member running.
+    script = ("import signal,subprocess,sys,time\n"
+              "c = subprocess.Popen([sys.executable, '-c', 'import signal,time; "
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(600)'],"
+              " stdout=subprocess.PIPE)\n"
+              "c.stdout.readline()\n"
+              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+              "print(c.pid, flush=True)\ntime.sleep(600)\n")
+    leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE)
+    assert leader.stdout is not None
+    member = psutil.Process(int(leader.stdout.readline()))
+    assert os.getpgid(member.pid) == leader.pid
+    assert stop_group(leader, term_s=1.0, kill_s=30.0) == 0  # the leader went on SIGTERM
+    assert not member.is_running() or member.status() == psutil.STATUS_ZOMBIE

@@ -8,12 +8,8 @@ No vLLM is imported; transformers is (it ships with the cpu extra).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from preload.daemon.ready import READY, NotReadyError, start_preload, stop_daemon, wait_ready
 
 pytestmark = pytest.mark.unit
 transformers = pytest.importorskip("transformers")
@@ -36,19 +34,16 @@ def raw_daemon(tiny_checkpoint: Callable[..., Path]) -> Iterator[dict[str, Any]]
     root = Path(tempfile.mkdtemp(prefix="pg-hf-"))  # short: AF_UNIX paths are limited
     os.chmod(root, 0o700)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "preload_gate", "preload", str(ckpt), "--stage", "raw", "--transport", "shm",
-         "--identity", "full", "--socket-root", str(root)],
-        stdout=subprocess.PIPE, text=True, env=env, cwd=str(REPO),
-    )
+    proc = start_preload([str(ckpt), "--stage", "raw", "--transport", "shm", "--identity", "full",
+                          "--socket-root", str(root)], env=env, cwd=str(REPO))
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line, f"daemon exited with {proc.wait()}"
-        yield {**json.loads(line), "checkpoint": ckpt}
+        try:
+            ready = wait_ready(proc, READY, timeout_s=None)
+        except NotReadyError as exc:
+            raise AssertionError(f"daemon exited with {exc.returncode}") from None
+        yield {**ready, "checkpoint": ckpt}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        stop_daemon(proc, 60)
         shutil.rmtree(root, ignore_errors=True)
 
 
