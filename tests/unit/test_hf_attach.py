@@ -33,7 +33,7 @@ def raw_daemon(tiny_checkpoint: Callable[..., Path]) -> Iterator[dict[str, Any]]
     ckpt = tiny_checkpoint(arch="llama")
     root = Path(tempfile.mkdtemp(prefix="pg-hf-"))  # short: AF_UNIX paths are limited
     os.chmod(root, 0o700)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = start_preload([str(ckpt), "--stage", "raw", "--transport", "shm", "--identity", "full",
                           "--socket-root", str(root)], env=env, cwd=str(REPO))
     try:

@@ -54,7 +54,7 @@ def _read_line(proc: subprocess.Popen, bound: float = BOUND_S) -> dict:
 
 
 def _env(cache: Path) -> dict[str, str]:
-    return {**os.environ, "PRELOAD_GATE_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    return {**os.environ, "PRELOAD_GATE_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
 def _start(ckpt: Path, root: Path, tmp_path: Path, exit_with_parent: bool) -> tuple[subprocess.Popen, dict]:

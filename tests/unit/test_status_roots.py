@@ -38,7 +38,7 @@ def _cli(env: dict[str, str], *args: str, cwd: Path = REPO) -> subprocess.Comple
 
 def _env(cache: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PRELOAD_GATE_SOCKET_ROOT"}
-    return {**env, "PRELOAD_GATE_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    return {**env, "PRELOAD_GATE_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
 def _ours(doc: dict, sdir: Path) -> list[dict]:
