@@ -1,8 +1,10 @@
-"""The canary prompt set: a handful of short, varied prompts.
+"""The prompt set: a handful of short, varied prompts, for canaries and the gate.
 
 Greedy decoding over several contexts (prose, code, a counting pattern, a
 question) reaches more of the weights than one prompt would, and a handful
-keeps a canary check to a second or two per replica.
+keeps a canary check to a second or two per replica. The gate's engines
+(:data:`harness.engine.EngineSpec.prompts`) use the same set, so the golden a
+passing promotion gate records is answered on the prompts the gate compared.
 """
 
 from __future__ import annotations

@@ -29,20 +29,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from canaries.prompts import DEFAULT_PROMPTS
 from pgbase import atomic
 from pgbase.errors import PreloadGateError
 from pgbase.procs import stop_group
 from preload.daemon.parent import PARENT_PID_ENV
 from preload.events import read_events
-
-# A handful of short prompts: greedy decoding over several contexts catches a
-# weight difference that one prompt might not reach.
-DEFAULT_PROMPTS: tuple[str, ...] = (
-    "The capital of France is",
-    "Once upon a time",
-    "def fibonacci(n):",
-    "1, 2, 3, 4,",
-)
 
 DEFAULT_TIMEOUT_S = 300.0
 LOG_TAIL_CHARS = 4000

@@ -1,18 +1,17 @@
-"""The gate's case catalogue: file mutations plus engine-setting shifts.
+"""The gate's cases: the rows of :data:`fixtures.mutations.CATALOGUE`, with
+the check only the harness can make.
 
-File recipes live in :mod:`fixtures.mutations` (one table, one row per
-recipe); this module does not repeat them. It adds what only the gate
-needs: the engine settings of each case and the outcome the cached engine
-must have. A case whose candidate weights equal the base's under the
-daemon's settings must *hit*; every other case must *miss loudly* (a miss
-event naming its reason, then a disk load that matches ``auto``).
-
-Engine-setting cases keep the base's bytes and change what the engine asks
-for: the data-parallel size, the tensor-parallel size, the dtype. Each also
-has a key-level check that needs no engine: the ``WeightCacheKey`` built for
-the daemon's settings against the one built for the engine's must differ in
-the named fields. Where the platform cannot run a case end to end, the
-case says why and the report shows it as not run; the key check still runs.
+The rows themselves (file recipes and engine-setting shifts, with the key
+fields each must change) live in the one table in :mod:`fixtures.mutations`;
+this module does not repeat them. It adds what needs the product: a case
+whose candidate weights equal the base's under the daemon's settings must
+*hit*; every other case must *miss loudly* (a miss event naming its reason,
+then a disk load that matches ``auto``). A setting row also has a key-level
+check that needs no engine: the ``WeightCacheKey`` built for the daemon's
+settings against the one built for the engine's, by the product's own rule,
+must differ in the row's key fields. Where the platform cannot run a case
+end to end, the case says why and the report shows it as not run; the key
+check still runs.
 
 >>> [c.name for c in select_cases("zeroed_norm,dtype_change")]
 ['zeroed_norm', 'dtype_change']
@@ -20,34 +19,16 @@ case says why and the report shows it as not run; the key check still runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from fixtures.mutations import MUTATIONS, Mutation
+from fixtures.mutations import BASE_SETTINGS, CATALOGUE, EngineSettings, Mutation
 from pgbase.errors import PreloadGateError
 from preload.identity.key import WeightCacheKey
 
 
 class CaseSelectionError(PreloadGateError):
     """``--mutations`` named a case the catalogue does not have."""
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """The settings a case's engines run with (the daemon keeps the base's)."""
-
-    dtype: str = "bfloat16"
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-
-    def to_json(self) -> dict[str, Any]:
-        """The settings as engine-spec keywords (and a report's settings column)."""
-        return {"dtype": self.dtype, "tensor_parallel_size": self.tensor_parallel_size,
-                "data_parallel_size": self.data_parallel_size}
-
-
-BASE_SETTINGS = EngineSettings()
 
 
 @dataclass(frozen=True)
@@ -96,9 +77,6 @@ class GateCase:
     # The daemon holds the base while the candidate is asked for (promotion
     # gate with --base); otherwise it holds what the case's digest says.
     holds_base: bool = False
-    key_builder: Callable[[str, EngineSettings], WeightCacheKey] | None = field(
-        default=None, compare=False
-    )
 
     @property
     def expect(self) -> str:
@@ -117,10 +95,7 @@ class GateCase:
         product's own rule (:func:`preload.vllm_key.rank_key`, what the
         loader and the daemon use); compare."""
         held = self.cache_settings  # what the daemon (or saved cache) was prepared with
-        if self.key_builder is not None:
-            daemon, engine = self.key_builder(digest, held), self.key_builder(digest, self.settings)
-        else:
-            daemon, engine = settings_key(digest, held, is_moe), settings_key(digest, self.settings, is_moe)
+        daemon, engine = settings_key(digest, held, is_moe), settings_key(digest, self.settings, is_moe)
         note = "keyed as a MoE model (DP shards the experts)" if is_moe else (
             "keyed as a dense model: DP replicas hold the full weights, so DP does not change the key")
         return KeyCheck(self.expected_fields, tuple(daemon.mismatched_fields(engine)), note)
@@ -139,57 +114,25 @@ def dense_key(digest: str, s: EngineSettings, rank: int = 0) -> WeightCacheKey:
     return settings_key(digest, s, is_moe=False, rank=rank)
 
 
-def moe_key(digest: str, s: EngineSettings, rank: int = 0) -> WeightCacheKey:
-    """Rank 0's key for a MoE model with expert parallelism: DP shards the experts."""
-    return settings_key(digest, s, is_moe=True, rank=rank)
-
-
-def _from_recipe(row: Mutation) -> GateCase:
+def _case(row: Mutation) -> GateCase:
     return GateCase(
         name=row.name,
         description=row.description,
-        recipe=row,
+        recipe=row if row.is_file else None,
         weights_equal=row.weights_equal,
-        expected_fields=() if row.weights_equal else ("content_digest",),
+        settings=row.settings,
+        expected_fields=row.key_fields,
+        cpu_skip=row.cpu_skip,
+        cache_settings=row.cache_settings,
+        server=row.server,
     )
 
 
-SETTING_CASES: tuple[GateCase, ...] = (
-    GateCase(
-        "dtype_change", "the base's bytes served as float32 (the daemon holds bfloat16)",
-        recipe=None, weights_equal=True, settings=EngineSettings(dtype="float32"),
-        expected_fields=("dtype",),
-    ),
-    GateCase(
-        "tp_shift", "the base's bytes at tensor-parallel size 2 (the daemon holds TP=1)",
-        recipe=None, weights_equal=True, settings=EngineSettings(tensor_parallel_size=2),
-        expected_fields=("tp_size",),
-        cpu_skip=(
-            "TP=2 on CPU binds both cores (VLLM_CPU_OMP_THREADS_BIND=0|1) for an auto and a "
-            "cached engine of two ranks each (about 2.5 min on a loaded 2-core runner), while "
-            "the key check below already decides the outcome; run it with --run-tp"
-        ),
-    ),
-    GateCase(
-        "dp_shift", "the base's bytes at data-parallel size 2 (the daemon holds DP=1)",
-        recipe=None, weights_equal=True, settings=EngineSettings(data_parallel_size=2),
-        # A dense model's DP replicas hold the full weights: the key (and so
-        # the required outcome) does not change; a MoE model's would.
-        expected_fields=(), server=True,
-    ),
-)
-
-CASES: tuple[GateCase, ...] = tuple(_from_recipe(r) for r in MUTATIONS) + SETTING_CASES
-
+# What ``--mutations all`` runs, in catalogue order.
+CASES: tuple[GateCase, ...] = tuple(_case(r) for r in CATALOGUE if not r.target_only)
 # Cases only some targets run (``preload-gate gate --target``): the cache is
 # prepared under other settings than the engine's.
-TARGET_CASES: tuple[GateCase, ...] = (
-    GateCase(
-        "tp_2_to_1", "the base's bytes at TP=1 from a cache prepared at TP=2 (a sharded state saved by two ranks)",
-        recipe=None, weights_equal=True, cache_settings=EngineSettings(tensor_parallel_size=2),
-        expected_fields=("tp_size",),
-    ),
-)
+TARGET_CASES: tuple[GateCase, ...] = tuple(_case(r) for r in CATALOGUE if r.target_only)
 
 
 def case_by_name(name: str) -> GateCase:

@@ -5,7 +5,7 @@ One module, shared daemons, few engines (each costs 30-60 s on 2 cores):
 - ``auto`` baseline; cold start (no daemon, fallback on: one ``miss`` event
   naming "no daemon for this digest", disk load); warm start (daemon up,
   fallback off: ``hit``); restart (a second engine on the same daemon:
-  ``hit``); all identical greedy tokens (4 prompts x 16 tokens, temperature 0).
+  ``hit``); all identical greedy tokens (5 prompts x 16 tokens, temperature 0).
 - the restarted engine writes into a mapped weight; the daemon's copy, seen
   through a fresh attach, is bit-for-bit what it was.
 - key mismatches with fallback off are startup failures naming the field:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from daemon_support import Daemon, copy_checkpoint, short_dir
+from reliability_support import skip_privileged
 
 from preload.promote import promote
 
@@ -142,14 +143,14 @@ def results(tiny_ckpt, tmp_path_factory):
 @pytest.mark.parametrize("name", [r["name"] for r in ROWS])
 def test_row_ends_in_one_event(results, name):
     if name not in results["rows"]:
-        pytest.skip(f"read-only bind mount unavailable: {results['unshare']}")
+        skip_privileged(f"read-only bind mount unavailable: {results['unshare']}")
     check_row(results["rows"][name], results["got"][name])
 
 
 @pytest.mark.parametrize("name", [r["name"] for r in ROWS])
 def test_control_row_check_fails_without_the_event(results, name):
     if name not in results["rows"]:
-        pytest.skip(f"read-only bind mount unavailable: {results['unshare']}")
+        skip_privileged(f"read-only bind mount unavailable: {results['unshare']}")
     r = dict(results["got"][name], log_events=[], file_events=[])
     with pytest.raises(AssertionError, match="0 load events"):
         check_row(results["rows"][name], r)

@@ -34,6 +34,23 @@ def test_record_writes_a_golden_keyed_by_an_independent_digest(tiny_ckpt, tmp_pa
     assert json.loads(out.read_text())["engine"]["load_format"] == "auto"
 
 
+def test_the_default_golden_covers_the_prompts_the_gate_compares(tiny_ckpt, tmp_path, monkeypatch) -> None:
+    """A passing promotion gate records the golden with the default prompts
+    (harness.gate.golden); the canaries later check a replica on exactly the
+    prompts the gate's engines compared, not a second list that drifted."""
+    from harness.engine import EngineSpec
+
+    sent: list[list[str]] = []
+
+    def worker(spec: dict, timeout_s: float) -> dict:
+        sent.append(list(spec["prompts"]))
+        return stub_result(len(spec["prompts"]))
+
+    monkeypatch.setattr(golden_mod, "_run_worker", worker)
+    golden_mod.record(tiny_ckpt, tmp_path / "g.json")
+    assert sent == [list(EngineSpec(checkpoint=str(tiny_ckpt)).prompts)]
+
+
 def test_checkpoint_edited_during_recording_is_refused(tiny_ckpt, tmp_path, monkeypatch) -> None:
     from fixtures.mutations import copy_checkpoint
 

@@ -128,19 +128,41 @@ def test_daemon_killed_during_attach_fails_fast(daemon: RawDaemon, ckpt: Path) -
 
 def test_hung_daemon_is_bounded_by_the_client_deadline(daemon: RawDaemon, ckpt: Path) -> None:
     """A stopped daemon never answers: without the deadline this would hang."""
-    client = DaemonClient.connect(daemon.socket_dir, 0, deadline_s=1.5)
+    deadline_s = 1.5
+    # The handshake is not what is timed: connect() sends hello under the
+    # client's deadline, and on a busy machine a fresh daemon can take longer
+    # than 1.5 s to answer it (then connect itself raised the deadline error,
+    # outside pytest.raises: the flake under the full suite). Connect with the
+    # default deadline; only the get_state to the stopped daemon runs under 1.5 s.
+    client = DaemonClient.connect(daemon.socket_dir, 0)
+    client.deadline_s = deadline_s
     pid = daemon.serving_pid
     os.kill(pid, signal.SIGSTOP)
-    t0 = time.monotonic()
-    try:
-        with pytest.raises(ProtocolError, match="deadline"):
+    outcome: dict[str, object] = {}
+
+    def ask() -> None:
+        t0 = time.monotonic()
+        try:
             client.get_state(raw_key(ckpt, daemon.digest, "shm"))
-        took = time.monotonic() - t0
+        except Exception as exc:  # judged below, in the test's thread
+            outcome["error"] = exc
+        outcome["took"] = time.monotonic() - t0
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    try:
+        # Generous on purpose: only a client without a deadline waits this long.
+        t.join(60)
+        hung = t.is_alive()
     finally:
         os.kill(pid, signal.SIGCONT)
+        t.join(10)
         client.close()
-    # Not before the deadline; the upper bound is 10x it (a loaded machine).
-    assert 1.0 < took < 10 * 1.5, took
+    assert not hung, "get_state to a stopped daemon was not bounded by the client deadline"
+    err = outcome.get("error")
+    assert isinstance(err, ProtocolError) and "deadline" in str(err), repr(err)
+    # Not before the deadline (the slack is clock rounding, not load).
+    assert float(outcome["took"]) >= 0.9 * deadline_s, outcome  # type: ignore[arg-type]
 
 
 def test_connect_to_dead_daemon_fails_fast(daemon: RawDaemon) -> None:

@@ -52,7 +52,9 @@ def test_matrix_verb_flags_a_departure(tiny_ckpt, capsys, monkeypatch):
     import fixtures.mutations as m
 
     row = m.by_name("mid_row_zeroed")
-    lying = dataclasses.replace(row, expected=dict(row.expected, sampled_1k=False))
+    # Declares its edit inside the first KiB, so the table expects sampled_1k to see it.
+    lying = dataclasses.replace(row, edit=m.IN_SAMPLE)
+    assert lying.expected["sampled_1k"] is False
     monkeypatch.setattr(m, "MUTATIONS", (lying,))
     rc = main(["fingerprints", "--base", str(tiny_ckpt), "--mutations", "all", "--header-impl", "reimpl"])
     out = capsys.readouterr().out

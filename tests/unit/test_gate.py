@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fixtures.mutations import MUTATIONS
+from fixtures.mutations import MUTATIONS, by_name
 from harness.engine import EngineResult, EngineSpec
 from harness.gate import (
     CaseResult,
@@ -20,6 +20,7 @@ from harness.gate import (
 )
 from harness.mutations import (
     CASES,
+    TARGET_CASES,
     CaseSelectionError,
     EngineSettings,
     GateCase,
@@ -33,12 +34,43 @@ pytestmark = pytest.mark.unit
 DIGEST = "d" * 64
 
 
-def test_catalogue_extends_the_fixture_table_without_copying_it():
-    names = [c.name for c in CASES]
-    assert names[: len(MUTATIONS)] == [m.name for m in MUTATIONS]
-    for case, row in zip(CASES, MUTATIONS, strict=False):
-        assert case.recipe is row and case.weights_equal == row.weights_equal
-    assert {"dtype_change", "tp_shift", "dp_shift"} <= set(names)
+# The gate's cases as ``--mutations all`` runs them, in order, then the rows
+# only some targets run: name -> (required outcome for a dense model, key
+# fields the cache and engine keys must differ in, runs end to end on CPU,
+# served through the OpenAI server). Written out so that a change to the
+# catalogue or to its derivation rules that moves any of these fails here.
+GATE_CASES = {
+    "identical_copy": ("hit", (), True, False),
+    # Every value edit: a loud miss on the content digest.
+    **dict.fromkeys(("zeroed_norm", "tail_edit", "mid_row_zeroed", "single_element", "finetune_noise",
+                     "constant_shift", "first_row_zeroed", "stale_derivation", "inplace_overwrite",
+                     "inplace_mtime_restored"), ("miss", ("content_digest",), True, False)),
+    "dtype_change": ("miss", ("dtype",), True, False),
+    "tp_shift": ("miss", ("tp_size",), False, False),
+    "dp_shift": ("hit", (), True, True),
+}
+TARGET_ONLY = {"tp_2_to_1": ("miss", ("tp_size",), True, False)}
+
+
+def _gate_reading(cases) -> list[tuple[str, tuple]]:
+    return [(c.name, (c.expect, c.expected_fields, not c.cpu_skip, c.server)) for c in cases]
+
+
+def test_the_gates_cases_and_what_each_requires():
+    assert _gate_reading(CASES) == list(GATE_CASES.items())
+    assert _gate_reading(TARGET_CASES) == list(TARGET_ONLY.items())
+    assert [c.name for c in select_cases("all")] == list(GATE_CASES)
+    # A file case makes its candidate with the catalogue's own row, not a copy of it.
+    for case in CASES:
+        assert (case.recipe is by_name(case.name)) == (case.name in {m.name for m in MUTATIONS})
+
+
+@pytest.mark.parametrize("case", [c for c in CASES + TARGET_CASES if c.recipe is None], ids=lambda c: c.name)
+def test_a_setting_rows_key_fields_are_what_the_product_key_changes(case: GateCase):
+    """The catalogue derives a setting row's key fields from the settings it
+    changes; the product's own key (rank_key) must differ in exactly those."""
+    check = case.key_check(DIGEST)
+    assert check.ok and set(check.mismatched_fields) == set(case.expected_fields)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -168,8 +168,22 @@ def test_client_refuses_directory_owned_by_another_user(daemon: RawDaemon) -> No
 
 
 def test_client_refusal_is_a_fallback_type(daemon: RawDaemon) -> None:
-    """The loader decides fallback by type: an untrusted socket is 'unavailable'."""
-    assert issubclass(InsecureSocketError, WeightCacheUnavailableError)
+    """The loader decides fallback by type (preload.loader.verified_cache
+    turns a WeightCacheUnavailableError at connect into a miss): what the
+    client raises at a real untrusted socket is caught by that clause."""
+    link_root = short_tempdir()
+    try:
+        link = link_root / "linked"
+        link.symlink_to(daemon.socket_dir)
+        try:
+            DaemonClient.connect(link, 0, timeout_s=2)
+        except WeightCacheUnavailableError as exc:  # the loader's clause
+            caught: Exception | None = exc
+        else:
+            caught = None
+        assert isinstance(caught, InsecureSocketError), repr(caught)
+    finally:
+        shutil.rmtree(link_root)
 
 
 # ------------------------------------------------------- daemon refusals

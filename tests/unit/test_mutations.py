@@ -1,20 +1,37 @@
 """The mutation table as a specification: every row, every anchor scheme.
 
-The fingerprint matrix is parametrized from ``fixtures.mutations.MUTATIONS``;
-a scheme that concludes anything other than the row's expectation fails.
-header_only runs the labelled reimplementation here (this tier has no
+Each file row declares what its recipe changes (where the byte edit falls,
+in place or not, mtimes kept or not) and the table derives every expected
+column from that. Two kinds of test hold it to the files: the change each
+recipe really makes, measured on disk, must be the declared one; and the
+fingerprints each scheme really computes (parametrized from
+``fixtures.mutations.MUTATIONS``) must conclude what the derived columns
+say. header_only runs the labelled reimplementation here (this tier has no
 vLLM); tests/cpu/test_fixtures_serve.py checks vLLM's own function agrees.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from fixtures.mutations import MUTATIONS, SCHEMES, MutationError, by_name, copy_checkpoint
+from fixtures.mutations import (
+    CATALOGUE,
+    IN_SAMPLE,
+    MUTATIONS,
+    NO_EDIT,
+    PAST_SAMPLE,
+    SCHEMES,
+    MutationError,
+    by_name,
+    copy_checkpoint,
+)
 from fixtures.shardfile import decode
+from pgbase.schemes import SAMPLE_BYTES
 from pgbase.shards import read_header, shard_paths
 from preload.identity import anchors
 
@@ -55,20 +72,59 @@ def test_fingerprint_matrix(row, shards, tiny_checkpoint, tmp_path):
     assert _fingerprints(base)["content"] == _fingerprints(tiny_checkpoint(shards=shards))["content"]
 
 
+@dataclass(frozen=True)
+class Observed:
+    """One row applied to a copy of the base, measured on the files (never read from the table)."""
+
+    values_equal: bool  # every tensor's bytes as safetensors reads them
+    schemes: dict[str, bool]  # per scheme: the same fingerprint before and after
+    edit: str  # where the changed bytes lie (_edit_region)
+    in_place: bool  # the candidate is the staged base's own directory
+    mtimes_kept: bool  # every shard's mtime_ns as it was
+
+
 @pytest.fixture(scope="module")
-def observed(tiny_checkpoint, tmp_path_factory) -> dict[str, tuple[bool, dict[str, bool]]]:
-    """Per row, measured on the bytes (not read from the table): whether the
-    tensor values stayed equal, and per scheme whether it saw the same checkpoint."""
-    base = tiny_checkpoint(shards=1)
+def observed(tiny_checkpoint, tmp_path_factory) -> dict[str, Observed]:
+    base = tiny_checkpoint(shards=3)
     out = {}
     for row in MUTATIONS:
         tmp = tmp_path_factory.mktemp(f"observed-{row.name}")
         staged = row.stage(base, tmp)
         before, values_before = _fingerprints(staged), _values(staged)
+        raw_before, mtimes_before = _tensor_bytes(staged), _mtimes(staged)
         candidate = row.apply(staged, tmp)
-        after = _fingerprints(candidate)
-        out[row.name] = (_values(candidate) == values_before, {s: before[s] == after[s] for s in SCHEMES})
+        out[row.name] = Observed(
+            values_equal=_values(candidate) == values_before,
+            schemes={s: before[s] == b for s, b in _fingerprints(candidate).items()},
+            edit=_edit_region(raw_before, _tensor_bytes(candidate)),
+            in_place=candidate == staged,
+            mtimes_kept=_mtimes(candidate) == mtimes_before,
+        )
     return out
+
+
+def _tensor_bytes(ckpt: Path) -> dict[str, bytes]:
+    """Every tensor's bytes, by name, sliced at the offsets its shard's header gives."""
+    out = {}
+    for p in shard_paths(ckpt):
+        raw = p.read_bytes()
+        out.update({t.name: raw[t.begin:t.end] for t in read_header(p).tensors})
+    return out
+
+
+def _mtimes(ckpt: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in shard_paths(ckpt)}
+
+
+def _edit_region(before: dict[str, bytes], after: dict[str, bytes]) -> str:
+    """NO_EDIT, or where the earliest changed byte of any tensor lies: inside
+    its first SAMPLE_BYTES (IN_SAMPLE) or only past them (PAST_SAMPLE)."""
+    assert before.keys() == after.keys()
+    firsts = [next(i for i, (x, y) in enumerate(zip(before[n], after[n], strict=True)) if x != y)
+              for n in before if before[n] != after[n]]
+    if not firsts:
+        return NO_EDIT
+    return IN_SAMPLE if min(firsts) < SAMPLE_BYTES else PAST_SAMPLE
 
 
 def _values(ckpt: Path) -> dict[str, bytes]:
@@ -88,31 +144,55 @@ def test_the_issues_claims_hold_on_the_bytes(observed):
     content catches every one, sampled_1k misses exactly the edits past the
     first KiB of a tensor; an identical copy is the same content, an in-place
     overwrite the same path with other content."""
-    value_edits = {name for name, (values_equal, _) in observed.items() if not values_equal}
+    value_edits = {name for name, o in observed.items() if not o.values_equal}
     assert {"zeroed_norm", "tail_edit", "finetune_noise", "inplace_overwrite"} <= value_edits
-    assert all(observed[n][1]["header_only"] for n in value_edits), "header_only misses every value edit"
-    assert not any(observed[n][1]["content"] for n in value_edits), "content catches every value edit"
-    assert {n for n in value_edits if observed[n][1]["sampled_1k"]} == {"tail_edit", "mid_row_zeroed", "single_element"}
-    copy_values_equal, copy = observed["identical_copy"]
-    assert copy_values_equal and copy["content"] and not copy["realpath"]
-    over = observed["inplace_overwrite"][1]
+    assert all(observed[n].schemes["header_only"] for n in value_edits), "header_only misses every value edit"
+    assert not any(observed[n].schemes["content"] for n in value_edits), "content catches every value edit"
+    assert {n for n in value_edits if observed[n].schemes["sampled_1k"]} == {"tail_edit", "mid_row_zeroed", "single_element"}
+    copy = observed["identical_copy"]
+    assert copy.values_equal and copy.schemes["content"] and not copy.schemes["realpath"]
+    over = observed["inplace_overwrite"].schemes
     assert over["realpath"] and not over["content"]
 
 
-def test_the_table_declares_what_the_bytes_show(observed):
-    """Each row's declared ``weights_equal`` is what the bytes show (the
-    matrix test above holds its scheme columns to the bytes)."""
-    assert {r.name: r.weights_equal for r in MUTATIONS} == {n: v for n, (v, _) in observed.items()}
+def test_each_recipe_makes_the_change_its_row_declares(observed):
+    """What each recipe did to the files (the edit's region, in place or a
+    copy, mtimes) is what its row declares; the expected columns are derived
+    from those declarations, so a wrong one would skew them all."""
+    declared = {r.name: (r.edit, r.in_place, r.mtimes_kept, r.weights_equal) for r in MUTATIONS}
+    measured = {n: (o.edit, o.in_place, o.mtimes_kept, o.values_equal) for n, o in observed.items()}
+    assert measured == declared
 
 
-def test_rows_are_unique_and_complete():
-    names = [r.name for r in MUTATIONS]
-    assert len(names) == len(set(names))
-    for required in ("identical_copy", "zeroed_norm", "tail_edit", "mid_row_zeroed", "single_element",
-                     "finetune_noise", "constant_shift", "first_row_zeroed", "inplace_overwrite"):
-        assert required in names
-    for r in MUTATIONS:
-        assert set(r.expected) == set(SCHEMES)
+@pytest.mark.parametrize(("offset", "region"), [(0, IN_SAMPLE), (SAMPLE_BYTES - 1, IN_SAMPLE),
+                                                (SAMPLE_BYTES, PAST_SAMPLE), (None, NO_EDIT)])
+def test_edit_region_control(offset, region, tiny_ckpt, tmp_path):
+    """Control for the measurement above: one flipped byte at either side of
+    the sample boundary, and none at all, are each told apart."""
+    cand = copy_checkpoint(tiny_ckpt, tmp_path / "c")
+    if offset is not None:
+        _edit_byte(cand, offset)
+    assert _edit_region(_tensor_bytes(tiny_ckpt), _tensor_bytes(cand)) == region
+
+
+def test_a_setting_row_leaves_the_base_as_it_is(tiny_ckpt, tmp_path):
+    """A setting row's candidate is the base itself, untouched: the gate
+    serves the same bytes under other settings."""
+    before, mtimes = _tensor_bytes(tiny_ckpt), _mtimes(tiny_ckpt)
+    settings_rows = [r for r in CATALOGUE if not r.is_file]
+    assert {r.name for r in settings_rows} == {"dtype_change", "tp_shift", "dp_shift", "tp_2_to_1"}
+    for row in settings_rows:
+        assert row.apply(row.stage(tiny_ckpt, tmp_path), tmp_path) == tiny_ckpt
+        assert all(row.expected.values()), row.name
+    assert _tensor_bytes(tiny_ckpt) == before and _mtimes(tiny_ckpt) == mtimes
+    assert not list(tmp_path.iterdir()), "a setting row copies nothing"
+
+
+def test_a_row_that_declares_no_file_change_cannot_carry_one():
+    with pytest.raises(ValueError, match="setting row"):
+        dataclasses.replace(by_name("dtype_change"), in_place=True)
+    with pytest.raises(ValueError, match="edit"):
+        dataclasses.replace(by_name("tail_edit"), edit="somewhere")
 
 
 def _edit_byte(ckpt: Path, offset_in_tensor: int) -> str:
