@@ -18,6 +18,12 @@ from preload.daemon.ready import READY, NotReadyError, start_preload, stop_daemo
 REPO = Path(__file__).resolve().parents[1]
 
 
+def repo_pythonpath() -> str:
+    """PYTHONPATH for a child: the repo first, then the caller's own entries
+    (the GPU run puts msgspec there: scripts/gpu_suite.sh)."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+
 def short_dir(prefix: str = "pg-d-") -> Path:
     """AF_UNIX paths are capped at 107 bytes; pytest's tmp_path can be longer."""
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))

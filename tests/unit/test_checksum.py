@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from daemon_support import repo_pythonpath
 
 from preload import checksum as ck
 from preload.checksum import (
@@ -216,7 +217,7 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter() -> None:
         print("ok")
         """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": repo_pythonpath()}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 

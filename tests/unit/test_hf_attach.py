@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from daemon_support import repo_pythonpath
 
 from preload.daemon.ready import READY, NotReadyError, start_preload, stop_daemon, wait_ready
 
@@ -33,7 +34,7 @@ def raw_daemon(tiny_checkpoint: Callable[..., Path]) -> Iterator[dict[str, Any]]
     ckpt = tiny_checkpoint(arch="llama")
     root = Path(tempfile.mkdtemp(prefix="pg-hf-"))  # short: AF_UNIX paths are limited
     os.chmod(root, 0o700)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
     proc = start_preload([str(ckpt), "--stage", "raw", "--transport", "shm", "--identity", "full",
                           "--socket-root", str(root)], env=env, cwd=str(REPO))
     try:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon_support import REPO, process_gone, short_dir, wait_for
+from daemon_support import REPO, process_gone, repo_pythonpath, short_dir, wait_for
 
 from preload.daemon.lock import socket_answers
 from preload.promote import promote
@@ -54,7 +54,7 @@ def _read_line(proc: subprocess.Popen, bound: float = BOUND_S) -> dict:
 
 
 def _env(cache: Path) -> dict[str, str]:
-    return {**os.environ, "PRELOAD_GATE_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return {**os.environ, "PRELOAD_GATE_CACHE": str(cache), "PYTHONPATH": repo_pythonpath()}
 
 
 def _start(ckpt: Path, root: Path, tmp_path: Path, exit_with_parent: bool) -> tuple[subprocess.Popen, dict]:

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from daemon_support import REPO, Daemon, short_dir
+from daemon_support import REPO, Daemon, repo_pythonpath, short_dir
 
 from pgbase import atomic
 from preload.client import DaemonClient
@@ -38,7 +38,7 @@ def _cli(env: dict[str, str], *args: str, cwd: Path = REPO) -> subprocess.Comple
 
 def _env(cache: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PRELOAD_GATE_SOCKET_ROOT"}
-    return {**env, "PRELOAD_GATE_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return {**env, "PRELOAD_GATE_CACHE": str(cache), "PYTHONPATH": repo_pythonpath()}
 
 
 def _ours(doc: dict, sdir: Path) -> list[dict]:
