@@ -6,6 +6,8 @@ the tiny fixture otherwise) the gate runs once per target on the same cases
 verdicts go into one matrix: on the terminal, in ``DIR/report.html`` and
 ``DIR/matrix.json``, each target's full report in ``DIR/<target>/``.
 
+With two cores the targets that keep a daemon and those that prepare
+vLLM's own caches run side by side, one core each (:func:`plan_lanes`).
 ``auto`` references are shared between targets through one reference cache:
 a candidate with the same file digest, or the same values at the engine's
 dtype (the ``.bin`` that npcache reads holds the same values as the
@@ -19,9 +21,11 @@ its failure.
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harness.engine import DEFAULT_PROMPTS
@@ -53,6 +57,34 @@ def build_model(model: str, out: Path) -> Path:
     return write_smollm2(out)
 
 
+# Targets that keep a preload daemon (its start hashes and loads the base,
+# one core) and those that prepare vLLM's own caches (copies, dumps, saves):
+# two lanes whose preparation and engines overlap, one core each.
+DAEMON_TARGETS = ("verified_cache", "header_only")
+
+
+def plan_lanes(targets: tuple[str, ...], jobs: int,
+               run_tp: bool) -> list[tuple[tuple[str, ...], int, tuple[int, ...] | None]]:
+    """``(targets, jobs, cores)`` per lane, in order.
+
+    With two cores or more (``jobs`` >= 2) and targets of both kinds, the
+    daemon targets run on the first core while the others run on the second,
+    one engine at a time each: a lane preparing candidates (single-threaded
+    copies, hashes, dumps) leaves its core to nothing otherwise. Everything
+    else (one core, one kind, ``run_tp``: a TP=2 engine takes both cores)
+    is one lane with ``jobs`` engines at a time.
+
+    >>> plan_lanes(("verified_cache", "npcache"), 1, False)
+    [(('verified_cache', 'npcache'), 1, None)]
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    first = tuple(t for t in targets if t in DAEMON_TARGETS)
+    second = tuple(t for t in targets if t not in DAEMON_TARGETS)
+    if jobs < 2 or run_tp or len(cpus) < 2 or not first or not second:
+        return [(targets, jobs, None)]
+    return [(first, 1, (cpus[0],)), (second, 1, (cpus[1],))]
+
+
 def run_demo(model: str = "auto", report_dir: str = "preload-gate-report", mutations: str | None = None,
              jobs: int = 1, workdir: str | None = None, reference_cache: str | None = None,
              run_tp: bool = False, engine_timeout_s: float = 300.0,
@@ -71,19 +103,30 @@ def run_demo(model: str = "auto", report_dir: str = "preload-gate-report", mutat
             shutil.rmtree(ckpt, ignore_errors=True)
             ckpt = build_model(model, ckpt)
         refs = reference_cache or str(scratch / "references")
-        reports, timings = [], {}
-        for name in targets:
-            progress("target", f"{name}: {cases}")
-            report = run_gate(GateOptions(
-                candidate=str(ckpt), target=name, mutations=cases, report_dir=str(out / name), jobs=jobs,
-                workdir=str(scratch / "gate" / name), reference_cache=refs, progress=progress,
-                run_tp=run_tp, engine_timeout_s=engine_timeout_s,
-            ))
-            doc = report.to_json()
-            write_reports(doc, out / name)
-            reports.append(doc)
-            timings[name] = report.seconds
-            progress("target", f"{name}: {doc['verdict']} in {report.seconds:.0f} s")
+        docs: dict[str, dict] = {}
+        timings: dict[str, float] = {}
+
+        def lane(names: tuple[str, ...], lane_jobs: int, cores: tuple[int, ...] | None) -> None:
+            for name in names:
+                progress("target", f"{name}: {cases}")
+                report = run_gate(GateOptions(
+                    candidate=str(ckpt), target=name, mutations=cases, report_dir=str(out / name),
+                    jobs=lane_jobs, cores=cores, workdir=str(scratch / "gate" / name), reference_cache=refs,
+                    progress=progress, run_tp=run_tp, engine_timeout_s=engine_timeout_s,
+                ))
+                doc = report.to_json()
+                write_reports(doc, out / name)
+                docs[name], timings[name] = doc, report.seconds
+                progress("target", f"{name}: {doc['verdict']} in {report.seconds:.0f} s")
+
+        lanes = plan_lanes(targets, jobs, run_tp)
+        if len(lanes) == 1:
+            lane(*lanes[0])
+        else:
+            with ThreadPoolExecutor(max_workers=len(lanes)) as pool:
+                for f in [pool.submit(lane, *spec) for spec in lanes]:
+                    f.result()
+        reports = [docs[name] for name in targets]
         timings["total"] = time.monotonic() - t0
         matrix = build_matrix(reports, prompts=list(DEFAULT_PROMPTS), timings=timings, model=f"{model} ({ckpt})")
         atomic.write_json(out / "matrix.json", matrix)

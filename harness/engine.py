@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,10 +176,14 @@ class CorePool:
     ...     run_engine(spec, "/tmp/run1")
     """
 
-    def __init__(self, jobs: int) -> None:
+    def __init__(self, jobs: int, cores: Sequence[int] | None = None) -> None:
+        """``cores``: bind to these (``jobs`` of them), even when jobs is 1 (two
+        pools side by side); None: the process's first ``jobs`` cores, bound
+        only when jobs > 1."""
         self.jobs = max(1, jobs)
+        self._bind = cores is not None or self.jobs > 1
         self._free: queue.Queue[str] = queue.Queue()
-        for c in sorted(os.sched_getaffinity(0))[: self.jobs]:
+        for c in (list(cores) if cores is not None else sorted(os.sched_getaffinity(0)))[: self.jobs]:
             self._free.put(str(c))
 
     @contextlib.contextmanager
@@ -189,7 +193,7 @@ class CorePool:
         core = self._free.get()
         try:
             extra = dict(env or {})
-            if self.jobs > 1 and spec.tensor_parallel_size == 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            if self._bind and spec.tensor_parallel_size == 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 extra["VLLM_CPU_OMP_THREADS_BIND"] = core
             yield dataclasses.replace(spec, env={**spec.env, **extra}) if extra else spec
         finally:

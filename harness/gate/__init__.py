@@ -297,7 +297,7 @@ def _run_engines(opts: GateOptions, prepared: list[_Prepared], socket_root: str,
     done: dict[tuple[str, str], EngineResult] = {}
     total = len(tasks)
 
-    cores = CorePool(opts.jobs)
+    cores = CorePool(opts.jobs, opts.cores)
 
     def one(task: tuple[str, str, EngineSpec]) -> None:
         kind, name, pending = task

@@ -32,6 +32,10 @@ class GateOptions:
     unsafe_silent_fallback: bool = False
     run_tp: bool = False
     jobs: int = 1
+    # The CPU cores this run's single-rank engines are bound to, ``jobs`` of
+    # them (None: the first ``jobs`` of the process's, bound only when
+    # jobs > 1). The demo gives two gates running side by side one core each.
+    cores: tuple[int, ...] | None = None
     engine_timeout_s: float = DEFAULT_TIMEOUT_S
     tolerance: float = LOGPROB_TOLERANCE
     record_golden: bool = True

@@ -196,7 +196,7 @@ def _run_engines(target: CacheTarget, opts: Any, items: list[_Case], workdir: Pa
     tasks = [("reference", k, label, spec) for k, (label, spec, _) in ref_jobs.items()]
     tasks += [("cached", k, label, spec) for k, (label, spec) in cached_jobs.items()]
     done: dict[tuple[str, str], EngineResult] = {}
-    cores = CorePool(opts.jobs)
+    cores = CorePool(opts.jobs, opts.cores)
     env = target.child_env()
 
     def one(task: tuple[str, str, str, EngineSpec]) -> None:
