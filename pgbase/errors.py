@@ -11,6 +11,10 @@ class PreloadGateError(Exception):
     """Base of every error this project raises on purpose."""
 
 
+class PreflightError(PreloadGateError):
+    """A check that needs no weights failed; the message names the fix."""
+
+
 class CheckpointError(PreloadGateError):
     """A checkpoint directory or one of its shards is unusable.
 

@@ -18,24 +18,27 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import logging
 import os
 import socket
 import stat
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
-from pgbase.errors import PreloadGateError
+from pgbase.errors import PreflightError, PreloadGateError
 from preload import trust
+from preload.preflight_vllm import (
+    VLLM_DTYPES,
+    check_dtype,
+    check_engine_choices,
+    check_pipeline_parallel,
+    check_tensor_parallel,
+    model_heads,
+)
 
 # sun_path is 108 bytes on Linux, one of them the terminating NUL.
 AF_UNIX_MAX = 107
 _DIGEST_PREFIX = 16
-
-
-class PreflightError(PreloadGateError):
-    """A check that needs no weights failed; the message names the fix."""
 
 
 def socket_path_problem(path: str | os.PathLike[str]) -> str | None:
@@ -183,22 +186,6 @@ def check_cache_dir(cache_dir: str | os.PathLike[str] | None, checkpoint: str | 
                              f"or PRELOAD_GATE_CACHE to a writable directory") from exc
 
 
-# The ``--dtype`` strings vLLM takes: "auto" and the keys of
-# ``vllm.config.model._STR_DTYPE_TO_TORCH_DTYPE`` (its ``ModelDType``), compared
-# lowercased as ``_get_and_verify_dtype`` does. Held equal to the installed
-# vLLM by tests/cpu/test_preflight_vllm_rules.py.
-VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
-
-
-def check_dtype(dtype: str) -> None:
-    """``dtype`` is one vLLM's ``--dtype`` takes (rule: vLLM's
-    ``_get_and_verify_dtype``, which raises ``Unknown dtype`` for any other).
-
-    Raises :class:`PreflightError` naming the accepted values."""
-    if dtype.lower() not in VLLM_DTYPES:
-        raise PreflightError(f"--dtype {dtype!r} is not a dtype vLLM takes; use one of {', '.join(VLLM_DTYPES)}")
-
-
 def check_cuda(transport: str) -> None:
     """``--transport cuda`` has a CUDA device to put weights on."""
     if transport != "cuda":
@@ -209,137 +196,6 @@ def check_cuda(transport: str) -> None:
         raise PreflightError("--transport cuda needs a CUDA device and none is visible (torch.cuda.is_available() "
                              "is False: no GPU, no driver, a CPU-only torch or CUDA_VISIBLE_DEVICES hides them); "
                              "use --transport shm")
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """vLLM logs on import (Triton notes) and while it splits layers: a
-    refusal must stay one line on stderr."""
-    logging.disable(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logging.disable(logging.NOTSET)
-
-
-def _vllm_choices(flag: str) -> tuple[str, ...] | None:
-    """The values vLLM's own config takes for ``flag`` (its Literal types), or
-    None where vLLM is not importable (nothing to check; vLLM decides later)."""
-    from typing import get_args
-
-    try:
-        with _quiet():
-            if flag == "--kv-cache-dtype":
-                from vllm.config.cache import CacheDType
-
-                return tuple(get_args(CacheDType))
-            from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
-
-            return tuple(QUANTIZATION_METHODS)
-    except ImportError:
-        return None
-
-
-def check_engine_choices(engine: dict[str, object]) -> None:
-    """``--kv-cache-dtype`` and ``--quantization`` are values vLLM takes. vLLM
-    is imported only for a value other than the default, so a plain start
-    costs no import."""
-    for flag, key, default in (("--kv-cache-dtype", "kv_cache_dtype", "auto"), ("--quantization", "quantization", None)):
-        value = engine.get(key)
-        if value is None or value == default:
-            continue
-        choices = _vllm_choices(flag)
-        if choices is not None and value not in choices:
-            raise PreflightError(f"{flag} {value!r} is not one vLLM takes; use one of {', '.join(choices)}")
-
-
-def check_pipeline_parallel(checkpoint: str | os.PathLike[str], pp_size: int) -> None:
-    """Every pipeline stage holds at least one of the model's hidden layers,
-    split as vLLM's ``get_pp_indices`` splits them (``VLLM_PP_LAYER_PARTITION``
-    included) where vLLM is importable, evenly otherwise."""
-    if pp_size <= 1:
-        return
-    from preload.identity.manifest import read_config
-
-    cfg = read_config(checkpoint)
-    if not isinstance(cfg, dict):
-        return
-    text = cfg.get("text_config")
-    if "num_hidden_layers" not in cfg and isinstance(text, dict):
-        cfg = text
-    layers = cfg.get("num_hidden_layers")
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
-        return
-    with _quiet():
-        try:
-            from vllm.distributed.utils import get_pp_indices
-        except ImportError:
-            sizes = [layers // pp_size + (r < layers % pp_size) for r in range(pp_size)]
-        else:
-            try:
-                sizes = [end - start for start, end in (get_pp_indices(layers, r, pp_size) for r in range(pp_size))]
-            except ValueError as exc:
-                raise PreflightError(f"--pipeline-parallel-size {pp_size}: {exc} (VLLM_PP_LAYER_PARTITION)") from None
-    if min(sizes) < 1:
-        raise PreflightError(f"--pipeline-parallel-size {pp_size} leaves a stage with no layer of the model's "
-                             f"{layers} hidden layers (config.json; split {sizes}); choose at most {layers}")
-
-
-def model_heads(checkpoint: str | os.PathLike[str]) -> tuple[int, int] | None:
-    """``(num_attention_heads, num_key_value_heads)`` from the checkpoint's
-    ``config.json`` (its ``text_config`` for a multimodal config, as vLLM's
-    ``hf_text_config``; key/value heads default to the attention heads, as
-    vLLM's ``get_total_num_kv_heads`` does). None when there is no
-    ``config.json`` or it names no head count (nothing to check here; vLLM
-    decides later). Reads one small file, no weights.
-
-    Raises :class:`~pgbase.errors.CheckpointError` when ``config.json`` is not readable JSON."""
-    from preload.identity.manifest import read_config
-
-    cfg = read_config(checkpoint)
-    if not isinstance(cfg, dict):
-        return None
-    text = cfg.get("text_config")
-    if "num_attention_heads" not in cfg and isinstance(text, dict):
-        cfg = text
-    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
-    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
-        return None
-    if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1:
-        kv = heads
-    return heads, kv
-
-
-def _tp_fits(tp: int, heads: int, kv: int) -> bool:
-    # vLLM's ModelConfig.verify_with_parallel_config: heads % tp == 0.
-    # vLLM's QKVParallelLinear: KV heads are split when tp < kv (kv % tp == 0)
-    # and replicated when tp >= kv (tp % kv == 0).
-    return heads % tp == 0 and (kv % tp == 0 if tp < kv else tp % kv == 0)
-
-
-def check_tensor_parallel(checkpoint: str | os.PathLike[str], tp_size: int) -> None:
-    """``tp_size`` splits the model's attention and key/value heads the way
-    vLLM can. Rules (vLLM's, not ours): ``ModelConfig.verify_with_parallel_config``
-    refuses ``num_attention_heads % tensor_parallel_size != 0``; the attention
-    layer (``QKVParallelLinear``) divides the key/value heads across ranks when
-    there are more of them than ranks, and replicates them evenly otherwise,
-    so ``num_key_value_heads % tp`` (or ``tp % num_key_value_heads``) must be 0.
-    Held equal to the installed vLLM by tests/cpu/test_preflight_vllm_rules.py.
-
-    Raises :class:`PreflightError` naming the head counts and the sizes that fit."""
-    if tp_size < 1:
-        return  # placement refuses it, with its own message
-    counts = model_heads(checkpoint)
-    if counts is None:
-        return
-    heads, kv = counts
-    if _tp_fits(tp_size, heads, kv):
-        return
-    fits = [t for t in range(1, heads + 1) if _tp_fits(t, heads, kv)]
-    what = (f"{heads} attention heads (config.json)" if heads % tp_size else
-            f"{kv} key/value heads (config.json; vLLM splits them when tp < {kv}, replicates them when tp >= {kv})")
-    raise PreflightError(f"--tensor-parallel-size {tp_size} does not fit the model's {what}; "
-                         f"choose a tensor-parallel size from {fits}")
 
 
 def check_output_dir(path: str | os.PathLike[str], flag: str) -> None:
@@ -417,3 +273,11 @@ def preflight_promote(checkpoint: str | os.PathLike[str], socket_root: str | os.
     check_checkpoint(checkpoint)
     check_socket_root(Path(socket_root) if socket_root else default_socket_root())
     check_cache_dir(cache_dir, checkpoint)
+
+
+__all__ = [
+    "AF_UNIX_MAX", "VLLM_DTYPES", "PreflightError", "check_cache_dir", "check_checkpoint", "check_cuda",
+    "check_dtype", "check_engine_choices", "check_output_dir", "check_pipeline_parallel", "check_port",
+    "check_rank_locks", "check_socket_root", "check_tensor_parallel", "model_heads", "preflight_daemon",
+    "preflight_promote", "socket_path_problem",
+]
