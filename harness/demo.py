@@ -127,6 +127,7 @@ def run_demo(model: str = "auto", report_dir: str = "preload-gate-report", mutat
                 for f in [pool.submit(lane, *spec) for spec in lanes]:
                     f.result()
         reports = [docs[name] for name in targets]
+        timings = {name: timings[name] for name in targets}  # the matrix's order, not the lanes' finish order
         timings["total"] = time.monotonic() - t0
         matrix = build_matrix(reports, prompts=list(DEFAULT_PROMPTS), timings=timings, model=f"{model} ({ckpt})")
         atomic.write_json(out / "matrix.json", matrix)

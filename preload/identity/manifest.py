@@ -103,11 +103,19 @@ class Manifest:
             version = msgspec.convert(obj, _Versioned).version
             if version != MANIFEST_VERSION:
                 raise StaleManifestError(
-                    f"manifest version {version} is not {MANIFEST_VERSION}; run: preload-gate promote {checkpoint}")
-            return msgspec.convert(obj, cls)
+                    f"{source} has version {version!r}, not {MANIFEST_VERSION}; run: preload-gate promote {checkpoint}")
+            manifest = msgspec.convert(obj, cls)
         except msgspec.ValidationError as exc:
             raise ManifestError(
                 f"{source} is malformed ({exc}); run: preload-gate promote {checkpoint}") from exc
+        # The digest an engine trusts is the one its own shard list implies: an
+        # edited "digest" (another checkpoint's, or no digest at all) is refused.
+        implied = checkpoint_digest({r.name: r.sha256 for r in manifest.shards})
+        if manifest.digest != implied:
+            raise ManifestError(
+                f"{source} is malformed (its digest {str(manifest.digest)[:16]} is not the one its shard list "
+                f"implies, {implied[:16]}); run: preload-gate promote {manifest.checkpoint}")
+        return manifest
 
 
 class _Versioned(msgspec.Struct):

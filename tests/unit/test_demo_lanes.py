@@ -49,7 +49,10 @@ def test_the_lanes_run_side_by_side_and_the_matrix_keeps_the_target_order(tmp_pa
     built = {}
     monkeypatch.setattr(demo, "run_gate", fake_gate)
     monkeypatch.setattr(demo, "write_reports", lambda doc, out: None)
-    monkeypatch.setattr(demo, "build_matrix", lambda reports, **kw: built.setdefault("order", [r["target"] for r in reports]))
+    def fake_matrix(reports, **kw):
+        built["order"], built["timings"] = [r["target"] for r in reports], list(kw["timings"])
+
+    monkeypatch.setattr(demo, "build_matrix", fake_matrix)
     monkeypatch.setattr(demo, "render_matrix_html", lambda m: "")
     monkeypatch.setattr(demo, "print_matrix", lambda m: None)
     (tmp_path / "w" / "tiny").mkdir(parents=True)
@@ -57,6 +60,7 @@ def test_the_lanes_run_side_by_side_and_the_matrix_keeps_the_target_order(tmp_pa
     rc = demo.run_demo(model="tiny", report_dir=str(tmp_path / "r"), workdir=str(tmp_path / "w"), jobs=2)
     assert rc == 0
     assert built["order"] == list(demo.DEMO_TARGETS)
+    assert built["timings"] == [*demo.DEMO_TARGETS, "total"]
     assert {t: (j, c is not None and len(c) == 1) for t, j, c in seen} == {t: (1, True) for t in demo.DEMO_TARGETS}
     assert len({c for t, _, c in seen if t in demo.DAEMON_TARGETS}) == 1
     assert {c for t, _, c in seen if t in demo.DAEMON_TARGETS}.isdisjoint(

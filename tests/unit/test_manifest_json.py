@@ -14,6 +14,7 @@ import pytest
 
 from pgbase import atomic
 from pgbase.errors import ManifestError
+from preload.identity.digest import checkpoint_digest
 from preload.identity.filestat import FileStat
 from preload.identity.manifest import (
     Manifest,
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.unit
 
 STAT = FileStat(size=10, mtime_ns=2, ctime_ns=3, ino=4, dev=5)
 MANIFEST = Manifest(
-    checkpoint="/models/tiny", digest="d" * 64, config_digest="c" * 64,
+    checkpoint="/models/tiny", digest=checkpoint_digest({"model.safetensors": "e" * 64}), config_digest="c" * 64,
     shards=(ShardRecord("model.safetensors", 10, "e" * 64, STAT, {"w": "f" * 64}),),
     index_stat=None, dir_stat=STAT, subdir_stats={"sub": STAT}, selection="auto", created=1.5,
 )
@@ -53,13 +54,20 @@ def test_control_a_written_manifest_loads_as_it_was(tmp_path: Path) -> None:
     (lambda o: o.pop("digest"), ManifestError, "missing required field `digest`"),
     (lambda o: o.pop("version"), ManifestError, "missing required field `version`"),
     (lambda o: o.update(subdir_stats={"sub": None}), ManifestError, r"at `\$.subdir_stats\[...\]`"),
-    (lambda o: o.update(version=1), StaleManifestError, "manifest version 1 is not 2"),
+    (lambda o: o.update(version=1), StaleManifestError, "has version 1, not 2"),
+    (lambda o: o.update(version="2"), StaleManifestError, "has version '2', not 2"),
+    # The digest engines trust is the one the shard list implies: another
+    # checkpoint's digest, or one of the wrong length, is refused.
+    (lambda o: o.update(digest="9" * 64), ManifestError, "is not the one its shard list implies"),
+    (lambda o: o.update(digest="abc"), ManifestError, "its digest abc is not the one"),
+    (lambda o: o["shards"][0].update(sha256="0" * 64), ManifestError, "is not the one its shard list implies"),
 ])
 def test_a_bad_manifest_names_the_file_the_field_and_the_fix(tmp_path: Path, edit, error, message) -> None:
     path = _written(tmp_path, edit)
     with pytest.raises(error, match=message) as info:
         load_manifest(MANIFEST.checkpoint, tmp_path)
     assert "run: preload-gate promote /models/tiny" in str(info.value)
+    assert str(path) in str(info.value)
     if error is ManifestError:
         assert not isinstance(info.value, StaleManifestError)
         assert str(path) in str(info.value)
