@@ -49,15 +49,23 @@ def register() -> None:
     starts the stat pool of the restart check (N: about the checkpoint's
     shard count) in the background, so a checkpoint of many shards on
     remote storage is checked in about one round trip
-    (:func:`preload.identity.filestat.prestart_stat_workers`). Raises
-    ValueError naming the variable for a bad N, which fails vLLM's start.
+    (:func:`preload.identity.stat_pool.prestart_stat_workers`). A bad N is
+    one warning line naming the variable and the fix, and no pool: the
+    plugin loads in every vLLM process, and a tuning knob's typo must not
+    fail engines that do not even use this load format.
     """
+    import logging
+
     from vllm.model_executor.model_loader import register_model_loader
 
     from preload.identity import stat_pool
 
-    workers = stat_pool.stat_workers_wanted()
     register_model_loader(LOAD_FORMAT)(loader_class())
+    try:
+        workers = stat_pool.stat_workers_wanted()
+    except ValueError as exc:
+        logging.getLogger("preload.loader").warning("preload-gate: %s; no stat pool started", exc)
+        return
     stat_pool.prestart_stat_workers(workers)
 
 
