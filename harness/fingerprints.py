@@ -42,7 +42,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _fingerprints(args: argparse.Namespace) -> int:
     from pgbase.errors import PreloadGateError
     from preload.identity.anchors import fingerprints
-
     from preload.preflight import check_checkpoint
 
     if (args.candidate is None) == (args.mutations is None):

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pgbase.errors import ManifestError, PreloadGateError
+from pgbase.ports import free_port
 from preload.daemon.parent import INTERVAL_S as PARENT_POLL_S
 from preload.daemon.parent import ParentWatch
 from preload.daemon.placement import Parallelism, Placement, plan_local_ranks
@@ -100,10 +100,6 @@ def plan(opts: PreloadOptions) -> dict[str, Any]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cpu_slices(n: int) -> list[list[int] | None]:
@@ -134,7 +130,7 @@ class Launcher:
         opts = self.opts
         placements = plan_local_ranks(opts.parallel)
         digest, _source = expected_digest(opts)
-        port = opts.master_port or _free_port()
+        port = opts.master_port or free_port()
         slices = _cpu_slices(len(placements)) if opts.stage != "raw" else [None] * len(placements)
         engine = {
             **opts.engine, "tp_size": opts.parallel.tp_size, "pp_size": opts.parallel.pp_size,

@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
+
+from pgbase.ports import free_port
 
 
 class _Lines(logging.Handler):
@@ -46,10 +47,6 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _weights_equal(model: Any, ckpt: str) -> bool:
@@ -165,7 +162,7 @@ def main() -> None:
 
     _set_torch_accelerator_to_noop()
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                 distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
     group_config = EngineArgs(model=spec["rows"][0]["model"], max_model_len=128,
                               enforce_eager=True).create_engine_config()
     with set_current_vllm_config(group_config):

@@ -30,7 +30,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,6 +43,7 @@ from canaries.check import check
 from canaries.claims import from_events_file, from_metrics_url
 from canaries.golden import load_golden
 from fixtures.mutations import by_name, copy_checkpoint
+from pgbase.ports import free_port
 from pgbase.procs import stop_group
 from preload.events import read_events
 from preload.promote import promote
@@ -62,10 +62,6 @@ SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "
 ENGINE_ARGS = ["--dtype", "float16", "--max-model-len", "256"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Replica:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 from daemon_support import Daemon
 from engine_run import PROMPTS
 
+from pgbase.ports import free_port
 from preload.events import read_events
 
 # `vllm serve` runs this server; the `vllm` console script itself cannot start
@@ -26,10 +26,6 @@ SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group(name="loader_engines")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict) -> dict:
@@ -40,7 +36,7 @@ def _post(url: str, body: dict) -> dict:
 
 def test_vllm_serve_verified_cache_matches_auto(loader_env, auto_tokens, tmp_path):
     daemon = Daemon(loader_env["ckpt"], loader_env["root"], loader_env["cache"], ("--stage", "loaded")).start(timeout=400)
-    port = _free_port()
+    port = free_port()
     events = tmp_path / "events.jsonl"
     env = dict(os.environ, PRELOAD_GATE_CACHE=str(loader_env["cache"]), VLLM_CPU_KVCACHE_SPACE="1",
                PRELOAD_GATE_EVENTS=str(events))

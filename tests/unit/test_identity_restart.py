@@ -31,9 +31,8 @@ from safetensors.numpy import save_file
 
 from fixtures.mutations import copy_checkpoint
 from harness.bench.remote_fs import RemoteFS
-from preload.identity import anchors
+from preload.identity import anchors, stat_pool
 from preload.identity import filestat as filestat_mod
-from preload.identity import stat_pool
 from preload.identity import manifest as manifest_mod
 from preload.identity.filestat import FileStat, stat_all
 from preload.identity.manifest import StaleManifestError, manifest_path, resolve_digest
