@@ -292,30 +292,44 @@ def _run_engines(opts: GateOptions, prepared: list[_Prepared], socket_root: str,
         elif key not in ref_jobs:
             ref_jobs[key] = p.reference_spec
             ref_names[key] = p.case.name
-    tasks: list[tuple[str, str, EngineSpec]] = [("reference", k, s) for k, s in ref_jobs.items()]
-    tasks += [("cached", p.case.name, p.cached_spec) for p in prepared if p.cached_spec is not None]
+    # Cached engines first: their results do not depend on the references,
+    # and a reference another run is computing meanwhile (the demo's other
+    # lane) is then most likely stored by the time this run asks for it.
+    tasks: list[tuple[str, str, EngineSpec]] = [("cached", p.case.name, p.cached_spec) for p in prepared
+                                                 if p.cached_spec is not None]
+    tasks += [("reference", k, s) for k, s in ref_jobs.items()]
     done: dict[tuple[str, str], EngineResult] = {}
+    reused: set[str] = set()
     total = len(tasks)
 
     cores = CorePool(opts.jobs, opts.cores)
 
     def one(task: tuple[str, str, EngineSpec]) -> None:
         kind, name, pending = task
-        with cores.pinned(pending) as spec:
-            _one(kind, name, spec)
 
-    def _one(kind: str, name: str, spec: EngineSpec) -> None:
+        def run() -> EngineResult:
+            with cores.pinned(pending) as spec:
+                return _one(kind, name, spec)
+
+        if kind == "cached":
+            done[(kind, name)] = run()
+        else:  # waiting for another run's engine holds no core
+            done[(kind, name)], was_reused = refs.reference([name], run)
+            if was_reused:
+                reused.add(name)
+                opts.note("engine-done", f"reference {ref_names[name]} ({len(done)}/{total}, "
+                          "reused: another run stored it meanwhile)")
+
+    def _one(kind: str, name: str, spec: EngineSpec) -> EngineResult:
         label = name if kind == "cached" else ref_names[name]
         opts.note("engine-start", f"{kind} {label}")
         wd = workdir / "engines" / f"{kind}-{label}-{name[:12]}"
         # A DP server starts an API process and one engine core per replica.
         timeout = opts.engine_timeout_s * (1 + spec.data_parallel_size) if spec.server else opts.engine_timeout_s
         result = run_engine(spec, wd, timeout_s=timeout)
-        done[(kind, name)] = result
-        if kind == "reference":
-            refs.put(name, result)
-        opts.note("engine-done", f"{kind} {label} ({len(done)}/{total}, "
+        opts.note("engine-done", f"{kind} {label} ({len(done) + 1}/{total}, "
                   f"{'ok' if result.ok else 'failed'}, {result.timings.get('wall', 0):.0f} s)")
+        return result
 
     with ThreadPoolExecutor(max_workers=max(1, opts.jobs)) as pool:
         list(pool.map(one, tasks))
@@ -325,6 +339,7 @@ def _run_engines(opts: GateOptions, prepared: list[_Prepared], socket_root: str,
             assert p.reference_spec is not None
             key = refs.key(p.result.candidate_digest, p.reference_spec, version)
             p.result.reference = done[("reference", key)]
+            p.result.reference_reused = key in reused
 
 
 def _judge(opts: GateOptions, p: _Prepared) -> None:

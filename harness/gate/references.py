@@ -6,10 +6,13 @@ a rerun only starts cached engines.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import json
 import os
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from harness.engine import EngineResult, EngineSpec, engine_executor
@@ -66,11 +69,46 @@ class ReferenceCache:
         result = EngineResult.from_json(obj)
         return result if result.ok else None
 
+    def _private_root(self) -> Path:
+        try:
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            trust.ensure_private_dir(self.root, "reference cache directory")
+        except trust.UntrustedPathError as exc:
+            raise GateSetupError(str(exc)) from exc
+        return self.root
+
+    @contextlib.contextmanager
+    def _locked(self, key: str) -> Iterator[None]:
+        fd = os.open(self._private_root() / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def reference(self, keys: Sequence[str], compute: Callable[[], EngineResult]) -> tuple[EngineResult, bool]:
+        """The reference stored under any of ``keys``, else ``compute()``'s
+        result, stored under every key: ``(result, reused)``.
+
+        ``keys`` are held exclusively meanwhile, so two gate runs sharing
+        this cache and asking for the same reference at about the same time
+        (the demo's two lanes; two operators) run its ``auto`` engine once:
+        the second waits, then reuses. The locks are ``flock(2)`` on
+        ``KEY.lock`` files (threads and processes alike; released when the
+        holder dies), taken in sorted order so runs holding overlapping key
+        sets cannot deadlock; the files stay, empty.
+        """
+        with contextlib.ExitStack() as held:
+            for key in sorted(set(keys)):
+                held.enter_context(self._locked(key))
+            stored = next((r for r in map(self.get, keys) if r is not None), None)
+            result = stored if stored is not None else compute()
+            for key in keys:
+                if self.get(key) is None:
+                    self.put(key, result)
+            return result, stored is not None
+
     def put(self, key: str, result: EngineResult) -> None:
         if result.ok:  # a failed reference is never reused
-            try:
-                self.root.parent.mkdir(parents=True, exist_ok=True)
-                trust.ensure_private_dir(self.root, "reference cache directory")
-            except trust.UntrustedPathError as exc:
-                raise GateSetupError(str(exc)) from exc
-            atomic.write_json(self.root / f"{key}.json", result.to_json(), mode=0o600)
+            atomic.write_json(self._private_root() / f"{key}.json", result.to_json(), mode=0o600)

@@ -178,6 +178,7 @@ def _run_engines(target: CacheTarget, opts: Any, items: list[_Case], workdir: Pa
     ref_jobs: dict[str, tuple[str, EngineSpec, list[str]]] = {}
     cached_jobs: dict[str, tuple[str, EngineSpec]] = {}
     known: dict[str, EngineResult] = {}
+    reused: set[str] = set()
     for it in items:
         assert it.reference_spec is not None and it.cached_spec is not None and it.candidate is not None
         keys = _ref_keys(refs, it.reference_spec, it.candidate, it.result.candidate_digest, version)
@@ -193,32 +194,43 @@ def _run_engines(target: CacheTarget, opts: Any, items: list[_Case], workdir: Pa
         it.cached_key = json.dumps(it.cached_spec.to_json(), sort_keys=True)
         if it.cached_key not in cached_jobs:
             cached_jobs[it.cached_key] = (it.case.name, it.cached_spec)
-    tasks = [("reference", k, label, spec) for k, (label, spec, _) in ref_jobs.items()]
-    tasks += [("cached", k, label, spec) for k, (label, spec) in cached_jobs.items()]
+    # Cached engines first: a reference another run computes meanwhile (the
+    # demo's other lane) is then most likely stored when this run asks.
+    tasks = [("cached", k, label, spec) for k, (label, spec) in cached_jobs.items()]
+    tasks += [("reference", k, label, spec) for k, (label, spec, _) in ref_jobs.items()]
     done: dict[tuple[str, str], EngineResult] = {}
     cores = CorePool(opts.jobs, opts.cores)
     env = target.child_env()
 
     def one(task: tuple[str, str, str, EngineSpec]) -> None:
         kind, key, label, pending = task
-        with cores.pinned(pending, env) as spec:
-            note("engine-start", f"{target.name} {kind} {label}")
-            t0 = time.monotonic()
-            worker = getattr(target, "engine_worker" if kind == "cached" else "reference_worker",
-                             "harness.engine_worker")
-            result = run_engine(spec, workdir / "engines" / f"{kind}-{label}", timeout_s=opts.engine_timeout_s,
-                                worker=worker)
-            done[(kind, key)] = result
-            if kind == "reference":
-                for k in ref_jobs[key][2]:
-                    refs.put(k, result)
-            note("engine-done", f"{target.name} {kind} {label} ({len(done)}/{len(tasks)}, "
-                 f"{'ok' if result.ok else 'failed'}, {time.monotonic() - t0:.0f} s)")
+
+        def run() -> EngineResult:
+            with cores.pinned(pending, env) as spec:
+                note("engine-start", f"{target.name} {kind} {label}")
+                t0 = time.monotonic()
+                worker = getattr(target, "engine_worker" if kind == "cached" else "reference_worker",
+                                 "harness.engine_worker")
+                result = run_engine(spec, workdir / "engines" / f"{kind}-{label}", timeout_s=opts.engine_timeout_s,
+                                    worker=worker)
+                note("engine-done", f"{target.name} {kind} {label} ({len(done) + 1}/{len(tasks)}, "
+                     f"{'ok' if result.ok else 'failed'}, {time.monotonic() - t0:.0f} s)")
+                return result
+
+        if kind == "cached":
+            done[(kind, key)] = run()
+            return
+        # Waiting for another run's engine holds no core.
+        done[(kind, key)], was_reused = refs.reference(ref_jobs[key][2], run)
+        if was_reused:
+            reused.add(key)
+            note("engine-done", f"{target.name} reference {label} (reused: another run stored it meanwhile)")
 
     with ThreadPoolExecutor(max_workers=max(1, opts.jobs)) as pool:
         list(pool.map(one, tasks))
     for it in items:
         it.result.reference = known.get(it.ref_key) or done[("reference", it.ref_key)]
+        it.result.reference_reused = it.result.reference_reused or it.ref_key in reused
         cached = done[("cached", it.cached_key)]
         # Each case gets its own copy: served() may attach events to it.
         it.result.cached = EngineResult.from_json(json.loads(json.dumps(cached.to_json())))

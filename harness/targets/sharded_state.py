@@ -25,9 +25,10 @@ from typing import Any
 
 from harness.engine import EngineResult, EngineSpec
 from harness.mutations import EngineSettings, GateCase
-from harness.targets._procs import free_port, run_all
+from harness.targets._procs import run_all
 from harness.targets.base import CacheTarget, PreparedCache, Served
 from harness.targets.checkpoints import file_digest, weight_files
+from pgbase.ports import free_port
 
 _WARNINGS = re.compile(r"(loading tensor of shape .*|Attempted to load weight .*)")
 

@@ -243,3 +243,50 @@ def test_reference_cache_refuses_a_loose_or_foreign_file(tmp_path):
     (tmp_path / "refs" / "k.json").chmod(0o644)
     with pytest.raises(GateSetupError, match="group/world accessible"):
         cache.get("k")
+
+
+def _race_for_one_reference(cache: ReferenceCache) -> tuple[int, list[tuple[EngineResult, bool]]]:
+    """Two runs ask ``cache`` for one reference while the first is still
+    computing it; returns (engines run, each run's (result, reused))."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+    out: list[tuple[EngineResult, bool]] = []
+
+    def compute() -> EngineResult:
+        calls.append(1)
+        if len(calls) == 1:  # the first run's engine is slow; another one would not be
+            started.set()
+            release.wait(30)
+        return EngineResult(ok=True, token_ids=[[len(calls)]])
+
+    first = threading.Thread(target=lambda: out.append(cache.reference(["k"], compute)))
+    first.start()
+    assert started.wait(30)
+    second = threading.Thread(target=lambda: out.append(cache.reference(["k", "values:k"], compute)))
+    second.start()
+    second.join(0.5)
+    waited = second.is_alive()
+    release.set()
+    first.join(30)
+    second.join(30)
+    return (len(calls) if waited else -len(calls)), out
+
+
+def test_a_reference_being_computed_is_waited_for_not_computed_twice(tmp_path):
+    """The demo's two lanes ask for the same `auto` reference at once: the
+    second waits and reuses (and stores it under its own extra key too).
+    Control: without the lock both run the engine."""
+    cache = ReferenceCache(tmp_path / "refs")
+    runs, out = _race_for_one_reference(cache)
+    assert runs == 1, "the second run did not wait, or ran the engine again"
+    assert sorted(reused for _, reused in out) == [False, True]
+    assert cache.get("values:k").token_ids == [[1]]
+
+    import contextlib
+
+    unlocked = ReferenceCache(tmp_path / "refs2")
+    unlocked._locked = lambda key: contextlib.nullcontext()  # type: ignore[method-assign]
+    runs, out = _race_for_one_reference(unlocked)
+    assert runs == -2 and [reused for _, reused in out] == [False, False]
