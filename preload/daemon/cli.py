@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--socket-root", default=None, type=socket_root_arg,
                    help="root of the digest-keyed socket dirs (default $PRELOAD_GATE_SOCKET_ROOT, else "
                    "/tmp/preload-gate-<uid>); made absolute")
+    p.add_argument("--cache-dir", default=None, type=_cache_dir_arg,
+                   help="where manifests live and daemons register (default $PRELOAD_GATE_CACHE, else "
+                   "~/.cache/preload-gate): the one promote --cache-dir wrote")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop (sockets removed) when the process that started this one exits, however it "
                    "exits: for supervisors such as the gate; without it the daemon outlives its starter")
@@ -66,8 +69,29 @@ def register(sub: argparse._SubParsersAction) -> None:
         "under every root a live daemon registered in <cache dir>/daemons (the cache dir is "
         "$PRELOAD_GATE_CACHE, else ~/.cache/preload-gate, as for manifests).")
     s.add_argument("--socket-root", default=None, type=socket_root_arg, help="only this socket root")
+    s.add_argument("--cache-dir", default=None, type=_cache_dir_arg,
+                   help="the cache dir whose daemon registry to follow (default $PRELOAD_GATE_CACHE, else "
+                   "~/.cache/preload-gate)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_status)
+
+
+def _cache_dir_arg(value: str) -> str:
+    """``--cache-dir``: absolute; an existing non-directory is refused here."""
+    if not value:
+        raise argparse.ArgumentTypeError("is empty; name the directory promote --cache-dir wrote")
+    path = os.path.abspath(value)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{value} is not a directory; name the directory promote --cache-dir "
+                                         "wrote (it holds manifests/)")
+    return path
+
+
+def _use_cache_dir(args: argparse.Namespace) -> None:
+    """``--cache-dir DIR`` is ``PRELOAD_GATE_CACHE=DIR`` for this process and
+    every rank it starts (manifests, the daemon registry)."""
+    if args.cache_dir:
+        os.environ["PRELOAD_GATE_CACHE"] = args.cache_dir
 
 
 def _options(args: argparse.Namespace) -> Any:
@@ -96,6 +120,7 @@ def _preload(args: argparse.Namespace) -> int:
 
     if not Path(args.checkpoint).is_dir():
         raise PreloadGateError(f"checkpoint directory {args.checkpoint} does not exist")
+    _use_cache_dir(args)
     opts = _options(args)
     if args.dry_run:
         launcher.preflight(opts)  # a dry run refuses what the real start would refuse
@@ -155,6 +180,7 @@ def _status(args: argparse.Namespace) -> int:
     from preload.daemon.registry import registry_dir
     from preload.sockets import default_socket_root, legacy_socket_roots
 
+    _use_cache_dir(args)
     roots, refused = _roots(args)
     ranks = [r for root in roots for r in scan(root)]
     # Daemons of older releases (or another session's $TMPDIR) live elsewhere: name them.

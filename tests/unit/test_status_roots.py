@@ -189,3 +189,27 @@ def test_relative_socket_root_variable_is_made_absolute(monkeypatch, tmp_path: P
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PRELOAD_GATE_SOCKET_ROOT", "rel")
     assert default_socket_root() == tmp_path / "rel"
+
+
+# ------------------------------------------------------------------ --cache-dir on preload and status
+
+def test_cache_dir_flag_names_the_cache_promote_wrote(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """`promote --cache-dir A` then `preload --cache-dir A` finds A's manifest
+    (and `status --cache-dir A` follows A's registry), whatever
+    PRELOAD_GATE_CACHE says. Control: without the flag, the environment's
+    empty cache has no manifest, so the plan has no digest."""
+    a, b = tmp_path / "A", tmp_path / "B"
+    root = short_dir()
+    digest = promote(tiny_ckpt, socket_root=root, cache_dir=a, progress=False).digest
+    env = _env(b)
+    plan = ["preload", str(tiny_ckpt), "--stage", "raw", "--socket-root", str(root), "--dry-run", "--json"]
+    p = _cli(env, *plan, "--cache-dir", str(a))
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert (doc["digest_source"], doc["expected_digest"]) == ("manifest", digest)
+    control = json.loads(_cli(env, *plan).stdout)
+    assert (control["digest_source"], control["expected_digest"]) == ("none", None)
+    assert json.loads(_cli(env, "status", "--json", "--cache-dir", str(a)).stdout)["registry"] == str(a / "daemons")
+    assert json.loads(_cli(env, "status", "--json").stdout)["registry"] == str(b / "daemons")
+    bad = _cli(env, "status", "--cache-dir", str(tiny_ckpt / "config.json"))
+    assert bad.returncode == 2 and "is not a directory" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
