@@ -21,9 +21,10 @@ True
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from canaries.claims import Claim
 from canaries.compare import DEFAULT_TOLERANCE
@@ -34,6 +35,9 @@ from canaries.replica import Replica, ReplicaResult
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RETRIES = 2
 DEFAULT_CONCURRENCY = 8
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass
@@ -69,7 +73,15 @@ async def check_async(
     api_key: str = "EMPTY",
     version_probe: bool = True,
 ) -> CheckReport:
-    """Check every replica against ``golden``; see :func:`check`."""
+    """Ask every replica the golden prompts and compare; ``report.ok`` only if all match.
+
+    ``timeout`` bounds one attempt (model discovery, version, completion);
+    failures that may pass (unreachable, timed out, 5xx) are retried up to
+    ``retries`` times. ``expect_digest`` or per-replica ``claims`` make the
+    check refuse (``GoldenRefusedError``) a golden recorded for other content
+    than the replica says it serves, before any request is sent.
+    :func:`check` is the same call, blocking.
+    """
     if not base_urls:
         raise ValueError("no replica to check")
     if timeout <= 0 or retries < 0 or tolerance < 0 or concurrency < 1:
@@ -83,6 +95,19 @@ async def check_async(
         if c is not None:
             r.claim = {"digest": c.digest, "source": c.source}
     return CheckReport(golden.digest, tolerance, list(results))
+
+
+def _blocking(coro_fn: Callable[P, Coroutine[Any, Any, R]], name: str, doc: str) -> Callable[P, R]:
+    """``coro_fn`` as a blocking call: the same parameters, types and defaults
+    (``inspect.signature`` shows them), run to completion by ``asyncio.run``."""
+
+    @functools.wraps(coro_fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        return asyncio.run(coro_fn(*args, **kwargs))
+
+    run.__name__ = run.__qualname__ = name
+    run.__doc__ = doc
+    return run
 
 
 def _claims(
@@ -103,29 +128,8 @@ def _claims(
     return out
 
 
-def check(
-    base_urls: Sequence[str],
-    golden: Golden,
-    timeout: float = DEFAULT_TIMEOUT_S,
-    retries: int = DEFAULT_RETRIES,
-    tolerance: float = DEFAULT_TOLERANCE,
-    expect_digest: str | None = None,
-    claims: Mapping[str, Claim] | None = None,
-    model: str | None = None,
-    concurrency: int = DEFAULT_CONCURRENCY,
-    api_key: str = "EMPTY",
-    version_probe: bool = True,
-) -> CheckReport:
-    """Ask every replica the golden prompts and compare; ``report.ok`` only if all match.
+check = _blocking(check_async, "check", """Ask every replica the golden prompts and compare; ``report.ok`` only if all match.
 
-    ``timeout`` bounds one attempt (model discovery, version, completion);
-    failures that may pass (unreachable, timed out, 5xx) are retried up to
-    ``retries`` times. ``expect_digest`` or per-replica ``claims`` make the
-    check refuse (``GoldenRefusedError``) a golden recorded for other content
-    than the replica says it serves, before any request is sent.
-    """
-    return asyncio.run(check_async(
-        base_urls, golden, timeout=timeout, retries=retries, tolerance=tolerance,
-        expect_digest=expect_digest, claims=claims, model=model, concurrency=concurrency, api_key=api_key,
-        version_probe=version_probe,
-    ))
+The blocking :func:`check_async` (run by ``asyncio.run``): the same
+arguments, defaults and errors.
+""")
