@@ -12,12 +12,16 @@
   (about 270 MB, half a minute to build, built once per run and shared by
   the xdist workers); skipped, naming the pip command, when that package is
   not installed.
+- ``no_vllm``: ``import vllm`` fails loudly for the test (``sys.modules``
+  entry None) unless vLLM was already imported; a module that must not
+  import vLLM takes it with ``pytest.mark.usefixtures("no_vllm")``.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +55,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     made = getattr(session.config, _SHORT_BASETEMP, None)
     if made and exitstatus == 0:
         shutil.rmtree(made, ignore_errors=True)  # kept on failure, for a look
+
+
+@pytest.fixture
+def no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    if "vllm" not in sys.modules:
+        monkeypatch.setitem(sys.modules, "vllm", None)
 
 
 @pytest.fixture(scope="session")

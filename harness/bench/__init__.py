@@ -215,6 +215,25 @@ def run_rows(
     return results
 
 
+def ratio_text(r: BenchResult) -> str:
+    """``"2.50x (faster)"``: the ratio and what it means; ``"n/a"`` when there is none."""
+    return "n/a" if r.ratio is None else f"{r.ratio:.2f}x ({r.ratio_meaning})"
+
+
+def distinct_tables(results: list[BenchResult]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """``(row, table)`` for each distinct ``details["table"]`` (a list of flat
+    dicts) once, in result order: rows may attach one table to several results."""
+    seen: list[object] = []
+    out = []
+    for r in results:
+        table = r.details.get("table")
+        if not table or any(table is t for t in seen):
+            continue
+        seen.append(table)
+        out.append((r.row, table))
+    return out
+
+
 def markdown(results: list[BenchResult]) -> str:
     """The table people read: the anchor beside ours in every row."""
     lines = [
@@ -225,24 +244,17 @@ def markdown(results: list[BenchResult]) -> str:
         if r.not_run:
             lines.append(f"| {r.title} | not run | not run | n/a | {r.target} | {r.notes} |")
             continue
-        ratio = "n/a" if r.ratio is None else f"{r.ratio:.2f}x ({r.ratio_meaning})"
         lines.append(
             f"| {r.title} | {r.anchor.label}: {r.anchor.text()} | {r.ours.label}: {r.ours.text()} "
-            f"| {ratio} | {r.target} | {r.notes} |"
+            f"| {ratio_text(r)} | {r.target} | {r.notes} |"
         )
-    # Rows may attach the raw measurements as details["table"] (a list of
-    # flat dicts); each distinct table is printed once, below the summary.
-    seen: list[object] = []
-    for r in results:
-        table = r.details.get("table")
-        if not table or any(table is t for t in seen):
-            continue
-        seen.append(table)
+    # The raw measurements, each distinct table once, below the summary.
+    for row, table in distinct_tables(results):
         cols = list(table[0])
-        lines += ["", f"{r.row}: raw measurements", ""]
+        lines += ["", f"{row}: raw measurements", ""]
         lines.append("| " + " | ".join(cols) + " |")
         lines.append("|" + "---|" * len(cols))
-        lines += ["| " + " | ".join(str(row[c]) for c in cols) + " |" for row in table]
+        lines += ["| " + " | ".join(str(t[c]) for c in cols) + " |" for t in table]
     return "\n".join(lines) + "\n"
 
 

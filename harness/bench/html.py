@@ -16,7 +16,7 @@ from typing import Any
 
 import jinja2
 
-from harness.bench import BenchResult
+from harness.bench import BenchResult, distinct_tables, ratio_text
 from pgbase import atomic
 
 LABEL_W, BAR_W, BAR_H, GAP, VALUE_W = 300, 360, 18, 8, 90
@@ -52,10 +52,6 @@ class Chart:
     height: int = 2 * (BAR_H + GAP) + GAP
 
 
-def ratio_text(r: BenchResult) -> str:
-    return "n/a" if r.ratio is None else f"{r.ratio:.2f}x ({r.ratio_meaning})"
-
-
 def chart(r: BenchResult) -> Chart:
     """Bars share one scale per result: the longer figure spans the chart."""
     longest = max(abs(r.anchor.value), abs(r.ours.value)) or 1.0
@@ -70,15 +66,10 @@ def chart(r: BenchResult) -> Chart:
 
 def raw_tables(results: list[BenchResult]) -> list[dict[str, Any]]:
     """Each distinct ``details["table"]`` once, as markdown prints them."""
-    seen: list[object] = []
     tables = []
-    for r in results:
-        table = r.details.get("table")
-        if not table or any(table is t for t in seen):
-            continue
-        seen.append(table)
+    for row, table in distinct_tables(results):
         cols = list(table[0])
-        tables.append({"row": r.row, "cols": cols, "rows": [[str(row.get(c, "")) for c in cols] for row in table]})
+        tables.append({"row": row, "cols": cols, "rows": [[str(t.get(c, "")) for c in cols] for t in table]})
     return tables
 
 

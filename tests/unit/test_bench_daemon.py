@@ -6,7 +6,6 @@ The engines themselves run in the bench (one smoke run), not here."""
 from __future__ import annotations
 
 import importlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,13 +14,7 @@ import harness.bench.daemon as daemon_row
 from harness.bench import BenchError, BenchOptions
 from harness.engine import EngineResult
 
-pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(autouse=True)
-def _no_vllm(monkeypatch):
-    if "vllm" not in sys.modules:
-        monkeypatch.setitem(sys.modules, "vllm", None)
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("no_vllm")]
 
 
 class _FakeDaemon:

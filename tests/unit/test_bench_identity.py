@@ -17,16 +17,7 @@ from preload.identity.manifest import StaleManifestError
 from preload.promote import promote
 from preload_gate.cli import main
 
-pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(autouse=True)
-def _no_vllm(monkeypatch):
-    """This tier must not import vLLM: make any attempt fail loudly."""
-    import sys
-
-    if "vllm" not in sys.modules:
-        monkeypatch.setitem(sys.modules, "vllm", None)
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("no_vllm")]
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ a row whose hardware is missing reports "not run" without being called,
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 import harness.bench as bench
@@ -20,13 +18,7 @@ from harness.bench import (
 )
 from preload_gate.cli import main
 
-pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(autouse=True)
-def _no_vllm(monkeypatch):
-    if "vllm" not in sys.modules:
-        monkeypatch.setitem(sys.modules, "vllm", None)
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("no_vllm")]
 
 
 @pytest.fixture
