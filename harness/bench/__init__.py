@@ -21,6 +21,7 @@ why" instead of failing, so one command works on a laptop and on a GPU box.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -137,15 +138,27 @@ RowFn = Callable[[BenchOptions], list[BenchResult]]
 
 
 def bench_row(name: str, title: str, *, heavy: str = "", needs: str = "") -> Callable[[RowFn], RowFn]:
-    """Register a row function; it returns one or more results."""
+    """Register a row function; it returns one or more results.
+
+    A row that ``needs`` something is not called where it is missing (run
+    through :func:`run_rows` or directly): the row reports :func:`not_run`
+    with the reason instead, so its body can assume what it needs.
+    """
     if needs not in _NEEDS:
         raise BenchError(f"benchmark row {name!r} needs {needs!r}; known needs: {_NEEDS[1:]}")
 
     def deco(fn: RowFn) -> RowFn:
         if name in ROWS:
             raise BenchError(f"benchmark row {name!r} is registered twice")
-        ROWS[name] = BenchRow(name, title, fn, heavy=heavy, needs=needs)
-        return fn
+
+        @functools.wraps(fn)
+        def run(options: BenchOptions) -> list[BenchResult]:
+            why = missing(needs)
+            return [not_run(name, title, why)] if why else fn(options)
+
+        row = run if needs else fn
+        ROWS[name] = BenchRow(name, title, row, heavy=heavy, needs=needs)
+        return row
 
     return deco
 

@@ -34,14 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from harness.bench import (
-    BenchOptions,
-    BenchResult,
-    Figure,
-    bench_row,
-    missing,
-    not_run,
-)
+from harness.bench import BenchOptions, BenchResult, Figure, bench_row
 
 _DEFAULT_TENSORS = 320
 
@@ -57,7 +50,7 @@ def synthetic_specs(total_bytes: int, tensors: int) -> list[tuple[str, Any, tupl
 
     weights = [1.0 + 0.5 * ((i * 7919) % 13) / 13 for i in range(tensors)]
     scale = total_bytes / 2 / sum(weights)
-    specs = []
+    specs: list[tuple[str, Any, tuple[int, ...], str]] = []
     for i, w in enumerate(weights):
         numel = max(1, int(w * scale) // 64 * 64)
         specs.append((f"model.layers.{i // 8}.w{i % 8}.weight", torch.bfloat16, (numel,), "param"))
@@ -125,9 +118,6 @@ def _time_attach(desc: dict[str, Any], layout: Any) -> tuple[float, Any]:
            needs="cuda", heavy="8 GB of GPU memory, twice")
 def gpu_attach(options: BenchOptions) -> list[BenchResult]:
     title = "attach over CUDA IPC: one arena handle vs one handle per tensor"
-    why = missing("cuda")
-    if why:
-        return [not_run("gpu_attach", title, why)]
     import torch
 
     from preload.checksum import checksum_tensors, verify_resident
@@ -213,16 +203,19 @@ def gpu_attach(options: BenchOptions) -> list[BenchResult]:
 # -- checksum throughput -----------------------------------------------------------
 
 
-def _cuda_time(fn: Callable[[], object], reps: int) -> list[float]:
+def cuda_time(fn: Callable[[], object], reps: int) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn``, CUDA work synchronised
+    before each clock read; what ``fn`` returns is freed after its clock stops."""
     import torch
 
     out = []
     for _ in range(reps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        fn()
+        kept = fn()
         torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)
+        del kept
     return out
 
 
@@ -230,15 +223,12 @@ def _copy_times(src: Any, reps: int) -> list[float]:
     import torch
 
     dst = torch.empty_like(src)
-    return _cuda_time(lambda: dst.copy_(src), reps)
+    return cuda_time(lambda: dst.copy_(src), reps)
 
 
 @bench_row("gpu_checksum", "resident checksum throughput: one Triton launch vs naive torch", needs="cuda")
 def gpu_checksum(options: BenchOptions) -> list[BenchResult]:
     title = "resident-weight checksum throughput"
-    why = missing("cuda")
-    if why:
-        return [not_run("gpu_checksum", title, why)]
     import torch
 
     from preload import checksum as ck
@@ -259,16 +249,16 @@ def gpu_checksum(options: BenchOptions) -> list[BenchResult]:
     # gives the same lanes); this row times the shape checksum_tensors uses.
     shape = ck.KernelShape.from_env()
     ck.checksum_tensors(views, layout, backend="triton")  # compiles, builds this layout's plan
-    fast = _cuda_time(lambda: ck.checksum_tensors(views, layout, backend="triton"), reps)
+    fast = cuda_time(lambda: ck.checksum_tensors(views, layout, backend="triton"), reps)
     # An engine's verify gets its layout from JSON: a new object, so no cached plan.
     fresh = iter([Layout(tuple(layout.entries), layout.total_bytes) for _ in range(reps)])
-    cold = _cuda_time(lambda: ck.checksum_tensors(views, next(fresh), backend="triton"), reps)
-    kernel = _cuda_time(lambda: planner.lanes_triton(base, layout), reps)
+    cold = cuda_time(lambda: ck.checksum_tensors(views, next(fresh), backend="triton"), reps)
+    kernel = cuda_time(lambda: planner.lanes_triton(base, layout), reps)
     # Naive torch: one unweighted reduction over the same bytes (it cannot see swaps);
     # the ceiling torch's own kernels give a checksum pass.
     words = base.view(torch.int64)
-    naive = _cuda_time(lambda: words.sum(), reps + 1)[1:]
-    slow = _cuda_time(lambda: ck.checksum_tensors(views, layout, backend="torch"), 1)
+    naive = cuda_time(lambda: words.sum(), reps + 1)[1:]
+    slow = cuda_time(lambda: ck.checksum_tensors(views, layout, backend="torch"), 1)
     same = ck.checksum_tensors(views, layout, backend="triton") == ck.checksum_tensors(views, layout, backend="torch")
     copy = _copy_times(base, reps)
     tbps = nbytes / statistics.median(fast) / 1e12

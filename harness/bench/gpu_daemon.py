@@ -17,16 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.bench import (
-    BenchOptions,
-    BenchResult,
-    Figure,
-    bench_row,
-    default_workdir,
-    missing,
-    not_run,
-)
-from harness.bench.gpu import gpu_params, median_ms
+from harness.bench import BenchOptions, BenchResult, Figure, bench_row, default_workdir
+from harness.bench.gpu import cuda_time, gpu_params, median_ms
 from preload.daemon.ready import READY, NotReadyError, start_preload, wait_ready
 
 
@@ -42,9 +34,6 @@ def _start_daemon(ckpt: Path, root: Path) -> tuple[subprocess.Popen[bytes], dict
 @bench_row("gpu_daemon_attach", "engine restart through the daemon: attach+verify vs disk load", needs="cuda")
 def gpu_daemon_attach(options: BenchOptions) -> list[BenchResult]:
     title = "restart through the daemon (connect, get_state, attach, verify) vs safetensors load to GPU"
-    why = missing("cuda")
-    if why:
-        return [not_run("gpu_daemon_attach", title, why)]
     import torch
     from safetensors.torch import load_file
 
@@ -92,15 +81,8 @@ def gpu_daemon_attach(options: BenchOptions) -> list[BenchResult]:
                     verify_only.append(t2 - t1)
                     connect_only.append(tc - t0)
                     state_only.append(ts - tc)
-            disk = []
             paths = shard_paths(ckpt)
-            for _ in range(2):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                loaded = [load_file(str(p), device="cuda") for p in paths]
-                torch.cuda.synchronize()
-                disk.append(time.perf_counter() - t0)
-                del loaded
+            disk = cuda_time(lambda: [load_file(str(p), device="cuda") for p in paths], 2)
         finally:
             daemon.terminate()
             daemon.wait(60)

@@ -58,6 +58,29 @@ def test_cuda_row_runs_where_cuda_is(fake_rows, monkeypatch):
     assert fake_rows == ["light", "heavy", "cuda"]
 
 
+def test_a_cuda_row_called_directly_reports_not_run_without_cuda(fake_rows, monkeypatch):
+    """The registered function itself checks its need (a caller other than
+    run_rows gets "not run" too); control: with CUDA it runs the body."""
+    row = bench.ROWS["cuda"].run
+    monkeypatch.setattr(bench, "missing", lambda needs: "no CUDA device is visible" if needs else None)
+    (result,) = row(BenchOptions())
+    assert result.not_run == "no CUDA device is visible" and result.title == "cuda row"
+    assert fake_rows == []
+    monkeypatch.setattr(bench, "missing", lambda needs: None)
+    assert row(BenchOptions())[0].not_run is None and fake_rows == ["cuda"]
+
+
+def test_the_real_gpu_rows_report_not_run_on_this_machine(monkeypatch):
+    """The GPU rows keep no check of their own: the registry's is the one."""
+    rows = load_rows()
+    monkeypatch.setattr(bench, "missing", lambda needs: "no CUDA device is visible" if needs else None)
+    cuda_rows = [r for r in rows.values() if r.needs == "cuda"]
+    assert {r.name for r in cuda_rows} == {"gpu_attach", "gpu_checksum", "gpu_daemon_attach"}
+    for r in cuda_rows:
+        (result,) = r.run(BenchOptions())
+        assert result.row == r.name and result.not_run == "no CUDA device is visible"
+
+
 def test_skip_heavy(fake_rows, monkeypatch):
     monkeypatch.setattr(bench, "missing", lambda needs: None)
     results = run_rows(BenchOptions(), skip_heavy=True)
