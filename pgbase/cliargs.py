@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
+from typing import TypeVar
+
+N = TypeVar("N", int, float)
 
 
 def _int(value: str) -> int:
@@ -33,57 +37,32 @@ def _float(value: str) -> float:
     return out
 
 
-def positive_int(value: str) -> int:
-    """An integer >= 1 (counts, sizes, workers, jobs)."""
-    n = _int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} is not a positive integer; give 1 or more")
-    return n
+def _flag(name: str, doc: str, parse: Callable[[str], N], ok: Callable[[N], bool], refusal: str) -> Callable[[str], N]:
+    """An argparse ``type=``: ``parse`` the text, then refuse a value ``ok``
+    rejects with ``refusal`` (a format string given the value)."""
+
+    def convert(value: str) -> N:
+        n = parse(value)
+        if not ok(n):
+            raise argparse.ArgumentTypeError(refusal.format(n))
+        return n
+
+    convert.__name__ = convert.__qualname__ = name
+    convert.__doc__ = doc
+    return convert
 
 
-def nonnegative_int(value: str) -> int:
-    """An integer >= 0 (ranks, retries)."""
-    n = _int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n} is negative; give 0 or more")
-    return n
-
-
-def seed_int(value: str) -> int:
-    """A random seed numpy takes: 0 to 2**32 - 1."""
-    n = _int(value)
-    if not 0 <= n < 2**32:
-        raise argparse.ArgumentTypeError(f"{n} is not a seed numpy takes; give 0 to {2**32 - 1}")
-    return n
-
-
-def port(value: str) -> int:
-    """A TCP port to bind, 0 (any free one) to 65535."""
-    n = _int(value)
-    if not 0 <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"{n} is not a TCP port; give 0-65535")
-    return n
-
-
-def fixed_port(value: str) -> int:
-    """A TCP port others connect to, 1 to 65535 (0 names no port)."""
-    n = _int(value)
-    if not 1 <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"{n} is not a TCP port; give 1-65535")
-    return n
-
-
-def positive_float(value: str) -> float:
-    """A number > 0 (seconds)."""
-    x = _float(value)
-    if x <= 0:
-        raise argparse.ArgumentTypeError(f"{x:g} is not a positive number; give more than 0")
-    return x
-
-
-def nonnegative_float(value: str) -> float:
-    """A number >= 0 (tolerances)."""
-    x = _float(value)
-    if x < 0:
-        raise argparse.ArgumentTypeError(f"{x:g} is negative; give 0 or more")
-    return x
+positive_int = _flag("positive_int", "An integer >= 1 (counts, sizes, workers, jobs).", _int,
+                     lambda n: n >= 1, "{} is not a positive integer; give 1 or more")
+nonnegative_int = _flag("nonnegative_int", "An integer >= 0 (ranks, retries).", _int,
+                        lambda n: n >= 0, "{} is negative; give 0 or more")
+seed_int = _flag("seed_int", "A random seed numpy takes: 0 to 2**32 - 1.", _int,
+                 lambda n: 0 <= n < 2**32, f"{{}} is not a seed numpy takes; give 0 to {2**32 - 1}")
+port = _flag("port", "A TCP port to bind, 0 (any free one) to 65535.", _int,
+             lambda n: 0 <= n <= 65535, "{} is not a TCP port; give 0-65535")
+fixed_port = _flag("fixed_port", "A TCP port others connect to, 1 to 65535 (0 names no port).", _int,
+                   lambda n: 1 <= n <= 65535, "{} is not a TCP port; give 1-65535")
+positive_float = _flag("positive_float", "A number > 0 (seconds).", _float,
+                       lambda x: x > 0, "{:g} is not a positive number; give more than 0")
+nonnegative_float = _flag("nonnegative_float", "A number >= 0 (tolerances).", _float,
+                          lambda x: x >= 0, "{:g} is negative; give 0 or more")
