@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from pgbase.errors import CheckpointError
-from pgbase.shards import duplicate_message, shard_paths
+from pgbase.shards import check_unique_tensors, shard_paths
 from preload.checksum import resident_checksums
 from preload.daemon.proof import ProvenShard, check_digest, torch_dtype, torch_shape
 from preload.daemon.stage import Filled
@@ -65,14 +65,9 @@ def fill_raw(
         # tests/cpu/test_fileset_differential.py.
         for path in shard_paths(checkpoint, prefer_vllm=False):
             shards.append(ProvenShard(path))
-        specs = []
-        seen: dict[str, str] = {}
-        for sh in shards:
-            for t in sh.tensors:
-                if t.name in seen:
-                    raise CheckpointError(duplicate_message(t.name, seen[t.name], sh.name))
-                seen[t.name] = sh.name
-                specs.append((t.name, torch_dtype(t, sh.name), torch_shape(t, sh.name), "param"))
+        check_unique_tensors(sh.header for sh in shards)
+        specs = [(t.name, torch_dtype(t, sh.name), torch_shape(t, sh.name), "param")
+                 for sh in shards for t in sh.tensors]
         slices = plan_slices(checkpoint, [(n, shape) for n, _, shape, _ in specs], tp_size, tp_rank)
         specs = [(n, d, slices[n].local_shape(shape, tp_size, tp_rank), k) for n, d, shape, k in specs]
         layout = Layout.plan(specs)
