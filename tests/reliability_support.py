@@ -501,6 +501,25 @@ def promote_checkpoint(checkpoint: Path, socket_root: Path, cache_dir: Path) -> 
     return promote(checkpoint, socket_root=socket_root, cache_dir=cache_dir, progress=False).digest
 
 
+@contextlib.contextmanager
+def promoted_daemon(checkpoint: Path, cache_dir: Path, *, expect_digest: bool = True) -> Iterator[RawDaemon]:
+    """A raw daemon serving ``checkpoint``, promoted first into ``cache_dir``
+    under a new short socket root (``daemon.socket_root``); stopped, and the
+    socket root removed, on exit. ``expect_digest`` gives the daemon the
+    promoted digest to check its bytes against; without it the daemon finds
+    the manifest itself."""
+    sockets = short_tempdir()
+    try:
+        digest = promote_checkpoint(checkpoint, sockets, cache_dir)
+        daemon = RawDaemon(checkpoint, sockets, cache_dir, expected_digest=digest if expect_digest else None).start()
+        try:
+            yield daemon
+        finally:
+            daemon.stop()
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
 def open_fds(pid: int) -> int:
     return psutil.Process(pid).num_fds()
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import socket
 import struct
 import threading
@@ -32,9 +31,8 @@ from reliability_support import (
     checkpoint_tensor_digests,
     fresh_checkpoint,
     open_fds,
-    promote_checkpoint,
+    promoted_daemon,
     served_tensor_digests,
-    short_tempdir,
     thread_count,
 )
 
@@ -308,13 +306,8 @@ def fuzz(path: Path, seed: int, n: int, stray_fd: int | None = None) -> Tally:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RawDaemon]:
     base = tmp_path_factory.mktemp("fuzz")
-    ckpt = fresh_checkpoint(base / "ckpt", seed=7)
-    sockets = short_tempdir()
-    promote_checkpoint(ckpt, sockets, base / "cache")
-    d = RawDaemon(ckpt, sockets, base / "cache").start()
-    yield d
-    d.stop()
-    shutil.rmtree(sockets, ignore_errors=True)
+    with promoted_daemon(fresh_checkpoint(base / "ckpt", seed=7), base / "cache", expect_digest=False) as d:
+        yield d
 
 
 def test_generator_is_seeded_and_covers_every_kind() -> None:

@@ -29,6 +29,7 @@ from reliability_support import (
     RawDaemon,
     fresh_checkpoint,
     promote_checkpoint,
+    promoted_daemon,
     run_as,
     setpriv_reason,
     short_tempdir,
@@ -50,13 +51,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RawDaemon]:
-    sockets = short_tempdir()
-    cache = tmp_path_factory.mktemp("hostile-cache")
-    promote_checkpoint(ckpt, sockets, cache)
-    d = RawDaemon(ckpt, sockets, cache).start()
-    yield d
-    d.stop()
-    shutil.rmtree(sockets, ignore_errors=True)
+    with promoted_daemon(ckpt, tmp_path_factory.mktemp("hostile-cache"), expect_digest=False) as d:
+        yield d
 
 
 def _peer(uid: int, sock: Path) -> dict:
@@ -281,15 +277,8 @@ def test_daemon_refuses_socket_owned_by_another_user(ckpt: Path, tmp_path: Path)
 
 def test_daemon_control_clean_directory_serves(ckpt: Path, tmp_path: Path) -> None:
     """Control for the refusals above: the same setup, untampered, serves."""
-    sockets = short_tempdir()
-    cache = tmp_path / "cache"
-    digest = promote_checkpoint(ckpt, sockets, cache)
-    d = RawDaemon(ckpt, sockets, cache, expected_digest=digest).start()
-    try:
+    with promoted_daemon(ckpt, tmp_path / "cache") as d:
         assert _served(d)
-    finally:
-        d.stop()
-        shutil.rmtree(sockets, ignore_errors=True)
 
 
 # ------------------------------------------------ nothing that runs code

@@ -8,7 +8,6 @@ same time. Latency percentiles are a benchmark figure (``preload-gate bench
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -16,8 +15,7 @@ from reliability_support import (
     RawDaemon,
     checkpoint_tensor_digests,
     fresh_checkpoint,
-    promote_checkpoint,
-    short_tempdir,
+    promoted_daemon,
     tensor_digests,
 )
 
@@ -32,13 +30,8 @@ CLIENTS = 32
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RawDaemon]:
     base = tmp_path_factory.mktemp("load")
-    ckpt = fresh_checkpoint(base / "ckpt", seed=9, shards=3)
-    sockets = short_tempdir()
-    digest = promote_checkpoint(ckpt, sockets, base / "cache")
-    d = RawDaemon(ckpt, sockets, base / "cache", expected_digest=digest).start()
-    yield d
-    d.stop()
-    shutil.rmtree(sockets, ignore_errors=True)
+    with promoted_daemon(fresh_checkpoint(base / "ckpt", seed=9, shards=3), base / "cache") as d:
+        yield d
 
 
 def test_32_clients_attach_at_once(daemon: RawDaemon) -> None:
