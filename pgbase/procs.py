@@ -74,3 +74,33 @@ def stop_group(proc: subprocess.Popen[Any], *, term_s: float, kill_s: float,
         return proc.wait(timeout=reap_s)
     except subprocess.TimeoutExpired:
         return None
+
+
+def stop_pid(pid: int, *, term_s: float, kill_s: float) -> bool:
+    """SIGTERM one process that is not our child (a daemon another command
+    started and left running, known by the pid it wrote), wait up to
+    ``term_s`` seconds, then SIGKILL and wait up to ``kill_s`` more.
+
+    Returns whether it is gone. A pid that no longer exists is gone. psutil
+    waits on a non-child by polling and remembers the process's start time,
+    so a pid reused meanwhile by another process is not signalled.
+    """
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        p.terminate()
+        p.wait(term_s)
+        return True
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.TimeoutExpired:
+        pass
+    try:
+        p.kill()
+        p.wait(kill_s)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        return False
+    return True

@@ -29,7 +29,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -44,7 +43,7 @@ from canaries.claims import from_events_file, from_metrics_url
 from canaries.golden import load_golden
 from fixtures.mutations import by_name, copy_checkpoint
 from pgbase.ports import free_port
-from pgbase.procs import stop_group
+from pgbase.procs import stop_group, stop_pid
 from preload.events import read_events
 from preload.promote import promote
 
@@ -99,20 +98,6 @@ class Replica:
 
 def deploy_commands(deploy_sh: Path) -> list[str]:
     return [ln for ln in deploy_sh.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-
-
-def stop_pid(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    for _ in range(100):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +160,7 @@ def scene(tiny_ckpt, tmp_path_factory):
         for r in replicas:
             r.stop()
         if daemon_pid is not None:
-            stop_pid(daemon_pid)
+            stop_pid(daemon_pid, term_s=20.0, kill_s=10.0)
         if control is not None:
             control.stop()
         shutil.rmtree(root_right, ignore_errors=True)

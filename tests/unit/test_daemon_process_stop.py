@@ -97,3 +97,37 @@ def test_stop_group_kills_a_member_that_outlives_its_leader() -> None:
     assert os.getpgid(member.pid) == leader.pid
     assert stop_group(leader, term_s=1.0, kill_s=30.0) == 0  # the leader went on SIGTERM
     assert not member.is_running() or member.status() == psutil.STATUS_ZOMBIE
+
+
+def _orphan(script: str) -> int:
+    """A process that is NOT our child (its parent exited), as a daemon the
+    pipeline left running is: its pid, once its handler is installed."""
+    launcher = subprocess.run(
+        [sys.executable, "-c", "import subprocess, sys\n"
+         f"p = subprocess.Popen([sys.executable, '-c', {script!r}], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True)\n"
+         "assert p.stdout.readline() == b'up\\n'\nprint(p.pid)"],
+        capture_output=True, text=True, timeout=60, check=True)
+    return int(launcher.stdout)
+
+
+def test_stop_pid_ends_a_process_that_is_not_our_child() -> None:
+    from pgbase.procs import stop_pid
+
+    pid = _orphan("import time\nprint('up', flush=True)\ntime.sleep(300)")
+    assert psutil.pid_exists(pid) and psutil.Process(pid).ppid() != os.getpid()
+    assert stop_pid(pid, term_s=30.0, kill_s=10.0)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_stop_pid_kills_what_ignores_sigterm_and_a_gone_pid_is_gone() -> None:
+    from pgbase.procs import stop_pid
+
+    script = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(300)"
+    pid = _orphan(script)
+    # Control: SIGTERM alone does not end it.
+    os.kill(pid, 15)
+    time.sleep(0.5)
+    assert psutil.pid_exists(pid)
+    assert stop_pid(pid, term_s=0.5, kill_s=10.0)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert stop_pid(pid, term_s=0.1, kill_s=0.1)  # already gone: nothing to do, no error

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 from daemon_support import short_dir
 
 from fixtures.tiny import write_tiny
+from pgbase.procs import stop_pid
 
 pytestmark = [pytest.mark.unit, pytest.mark.xdist_group(name="pipeline_twice")]
 
@@ -68,16 +68,7 @@ def env(tmp_path: Path):
     kept: list[int] = []
     yield {"env": e, "tmp": tmp_path, "root": root, "kept": kept}
     for pid in kept:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            continue
-        for _ in range(150):
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
+        stop_pid(pid, term_s=30.0, kill_s=10.0)
     import shutil
 
     shutil.rmtree(root, ignore_errors=True)
