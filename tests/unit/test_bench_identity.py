@@ -29,6 +29,14 @@ def _no_vllm(monkeypatch):
         monkeypatch.setitem(sys.modules, "vllm", None)
 
 
+@pytest.fixture(autouse=True)
+def _pool_backend(monkeypatch):
+    """The shim sees only stats issued from Python: the thread pool's."""
+    from preload.identity.filestat import STAT_BACKEND_ENV
+
+    monkeypatch.setenv(STAT_BACKEND_ENV, "pool")
+
+
 @pytest.fixture
 def many_shards(tmp_path):
     ckpt = tmp_path / "ckpt"
