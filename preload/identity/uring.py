@@ -105,7 +105,7 @@ class _Ring:
         self._cqes = cq_off[5]
         self._buffers = ctypes.create_string_buffer(self.entries * _STATX_SIZE)
         self._base = ctypes.addressof(self._buffers)
-        self._paths: list[ctypes.Array[ctypes.c_char]] = []  # the wave in flight's paths
+        self._paths: ctypes.Array[ctypes.c_char] | None = None  # the wave in flight's paths
         self.workers = self._max_workers(workers)
 
     @staticmethod
@@ -151,12 +151,16 @@ class _Ring:
         path) and return, in order, its fields or its errno."""
         n = len(paths)
         assert n <= self.entries
-        self._paths = [ctypes.create_string_buffer(p) for p in paths]
+        # One buffer of NUL-terminated paths for the wave (create_string_buffer
+        # adds the last NUL), alive on the ring until the wave is reaped.
+        self._paths = ctypes.create_string_buffer(b"\0".join(paths))
+        at = ctypes.addressof(self._paths)
         tail = self._u32(self._sq, self._sq_tail)
-        for i, buf in enumerate(self._paths):
+        for i, p in enumerate(paths):
             _SQE.pack_into(self._sqes, i * _SQE_SIZE, _IORING_OP_STATX, 0, 0, _AT_FDCWD,
-                           self._base + i * _STATX_SIZE, ctypes.addressof(buf), _STATX_BASIC_STATS, _AT_NO_AUTOMOUNT, i)
+                           self._base + i * _STATX_SIZE, at, _STATX_BASIC_STATS, _AT_NO_AUTOMOUNT, i)
             struct.pack_into("=I", self._sq, self._sq_array + ((tail + i) & self._sq_mask) * 4, i)
+            at += len(p) + 1
         # The tail store is seen by the kernel in this thread's io_uring_enter below.
         struct.pack_into("=I", self._sq, self._sq_tail, (tail + n) & 0xFFFFFFFF)
         res: list[int | None] = [None] * n
@@ -171,7 +175,7 @@ class _Ring:
                     raise OSError(errno.EAGAIN, "io_uring_enter submitted nothing")
                 submitted += got
             reaped = self._reap(res, reaped, submitted)
-        self._paths = []
+        self._paths = None
         out: list[StatFields | int] = []
         for i, r in enumerate(res):
             if r is None or r < 0:
