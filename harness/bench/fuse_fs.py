@@ -84,27 +84,34 @@ class FuseFS:
             raise FuseUnavailableError(f"cannot open /dev/fuse: {exc.strerror}") from None
         mp = tempfile.mkdtemp(prefix="pg-fuse-")
         try:
-            self._server = subprocess.Popen(
-                [sys.executable, str(_SERVER), str(fd), self.real_dir, repr(self.latency_s)], pass_fds=(fd,),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            try:
+                self._mount(fd, mp)
+                # Started after the mount: /dev/fuse refuses reads (EPERM) until then.
+                self._server = subprocess.Popen(
+                    [sys.executable, str(_SERVER), str(fd), self.real_dir, repr(self.latency_s)], pass_fds=(fd,),
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            finally:
+                # The server's copy is then the connection's only one: should it
+                # die, requests fail (ENOTCONN) instead of waiting for it forever.
+                os.close(fd)
             self._ask(None)  # {"ready": true}
-            # No default_permissions: with it the kernel refreshes each directory's
-            # attributes (a GETATTR, attr_valid being 0) before walking through it,
-            # a second round trip in series with every stat's own.
-            opts = f"fd={fd},rootmode=40000,user_id=0,group_id=0,allow_other,max_read=131072"
-            libc = _libc()
-            if libc.mount(b"pgbench", os.fsencode(mp), FSTYPE.encode(), _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
-                          opts.encode()) != 0:
-                err = ctypes.get_errno()
-                raise FuseUnavailableError(f"mount(2) of {FSTYPE} on {mp} refused: {os.strerror(err)}")
-            self.mount_point = Path(mp)
             os.stat(mp)  # waits for INIT and the root's GETATTR: the mount serves
         except BaseException:
             self._teardown(mp)
             raise
-        finally:
-            os.close(fd)
+        assert self.mount_point is not None
         return self.mount_point
+
+    def _mount(self, fd: int, mp: str) -> None:
+        # No default_permissions: with it the kernel refreshes each directory's
+        # attributes (a GETATTR, attr_valid being 0) before walking through it,
+        # a second round trip in series with every stat's own.
+        opts = f"fd={fd},rootmode=40000,user_id=0,group_id=0,allow_other,max_read=131072"
+        if _libc().mount(b"pgbench", os.fsencode(mp), FSTYPE.encode(), _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
+                         opts.encode()) != 0:
+            err = ctypes.get_errno()
+            raise FuseUnavailableError(f"mount(2) of {FSTYPE} on {mp} refused: {os.strerror(err)}")
+        self.mount_point = Path(mp)
 
     def __exit__(self, *exc: object) -> None:
         self._teardown(os.fspath(self.mount_point) if self.mount_point else None)

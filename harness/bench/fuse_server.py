@@ -82,9 +82,11 @@ class Server:
                 self.send(data)
                 return
             self.seq += 1
-            heapq.heappush(self.held, (time.monotonic() + self.latency_s, self.seq, data))
+            item = (time.monotonic() + self.latency_s, self.seq, data)
+            heapq.heappush(self.held, item)
             self.held_peak = max(self.held_peak, len(self.held))
-            self.due.notify()
+            if self.held[0] is item:  # due first: the writer's wait must shorten (else it would wake for nothing)
+                self.due.notify()
 
     def writer(self) -> None:
         while True:
@@ -206,7 +208,9 @@ class Server:
             except OSError as exc:
                 if exc.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):  # ENOENT: interrupted meanwhile
                     continue
-                return  # ENODEV: unmounted
+                if exc.errno != errno.ENODEV:  # ENODEV: unmounted, the normal end
+                    print(f"fuse_server: reading /dev/fuse: {exc}", file=sys.stderr, flush=True)
+                return
             length, op, unique, nodeid = _IN.unpack_from(buf)[:4]
             body = bytes(view[_IN.size:min(n, length)])
             name = OPS.get(op, f"op{op}")

@@ -18,7 +18,8 @@ wave belongs to the ring object and a wave is always reaped in full before
 its buffers are touched or reused. A wave interrupted by an exception
 (KeyboardInterrupt while waiting) leaves its ring, buffers included, in
 ``_abandoned`` for the life of the process rather than freeing memory the
-kernel may still write.
+kernel may still write. Ordering: a completion's buffer is read only after
+its ring tail is seen, which x86_64 orders for every load (``_SYSCALLS``).
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ import struct
 import threading
 from collections.abc import Sequence
 
-# Syscall numbers: the io_uring calls were added after the syscall tables of
-# the architectures were unified, so they are the same on x86_64 and aarch64.
-_SYSCALLS = {"x86_64": (425, 426, 427), "aarch64": (425, 426, 427)}
+# Syscall numbers (io_uring_setup, _enter, _register) where the ring is used.
+# Only x86_64: reading a completion needs its ring tail loaded with acquire
+# order, which Python cannot ask for; x86's total store order gives it to
+# every load. aarch64 has the same numbers (425-427, from the unified
+# table) but weak ordering, so it reports io_uring unavailable.
+_SYSCALLS = {"x86_64": (425, 426, 427)}
 _IORING_OFF_SQ_RING = 0
 _IORING_OFF_CQ_RING = 0x8000000
 _IORING_OFF_SQES = 0x10000000
@@ -215,21 +219,21 @@ _abandoned: list[_Ring] = []  # rings a wave was interrupted on: never freed (se
 
 def unavailable() -> str | None:
     """Why this process cannot batch stats through io_uring (``"io_uring_setup:
-    Operation not permitted"``, ``"io_uring is not wired for riscv64"``...), or
+    Operation not permitted"``, ``"io_uring is not used on aarch64 ..."``...), or
     None when it can. Tries once per process (a ring is set up and kept);
     the first refusal is logged once at INFO and remembered."""
     with _lock:
-        return _get(0)[1]
+        return _get()[1]
 
 
-def _get(workers: int) -> tuple[_Ring | None, str | None]:
+def _get() -> tuple[_Ring | None, str | None]:
     global _ring, _refused
     if _ring is None and _refused is None:
         if platform.machine() not in _SYSCALLS:
-            _refused = f"io_uring is not wired for {platform.machine()}"
+            _refused = f"io_uring is not used on {platform.machine()} (only x86_64's memory order is safe from Python)"
         else:
             try:
-                _ring = _Ring(MAX_ENTRIES, max(workers, MAX_ENTRIES))
+                _ring = _Ring(MAX_ENTRIES, MAX_ENTRIES)
             except OSError as exc:
                 _refused = exc.strerror or str(exc)
         if _refused is not None:
@@ -251,7 +255,7 @@ def statx_many(paths: Sequence[bytes]) -> list[StatFields | int]:
     """
     global _ring
     with _lock:
-        ring, why = _get(0)
+        ring, why = _get()
         if ring is None:
             raise OSError(errno.ENOSYS, why or "io_uring unavailable")
         out: list[StatFields | int] = []
@@ -269,7 +273,7 @@ def setup() -> bool:
     """Create this process's ring now (a loader at plugin registration) and
     return whether io_uring is usable here."""
     with _lock:
-        return _get(0)[0] is not None
+        return _get()[0] is not None
 
 
 def reset() -> None:

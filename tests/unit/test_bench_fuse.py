@@ -7,6 +7,7 @@
 - Concurrency is the kernel's: a batch of stats through io_uring has every
   request at the server at once; control: io-wq's default worker limit
   (which the ring raises) caps it at 4 x CPUs. The thread pool does too.
+- A dead server fails requests (ENOTCONN), it does not hang them.
 - Unmounting leaves no mount behind; not root or no /dev/fuse is a
   FuseUnavailableError saying which (those two run everywhere).
 """
@@ -144,6 +145,25 @@ def test_the_pool_has_every_stat_at_the_server_at_once(mount, monkeypatch):
         assert _peak(fs, mnt, 40, 20.0) == 40
     finally:
         filestat.stop_stat_workers()
+
+
+@needs_root
+def test_a_dead_server_fails_requests_instead_of_hanging_them(real):
+    """The server holds the connection's only /dev/fuse descriptor: when it
+    dies the kernel aborts the connection, so a stat fails (it used to wait
+    forever when the parent kept a copy and the server had exited early)."""
+    fs = FuseFS(real)
+    mnt = fs.__enter__()
+    try:
+        assert os.stat(mnt / "a.bin").st_size == 256_000
+        assert fs._server is not None
+        fs._server.kill()
+        fs._server.wait(20)
+        with pytest.raises(OSError):
+            os.stat(mnt / "a.bin")
+    finally:
+        fs.__exit__(None, None, None)
+    assert not mounted(mnt)
 
 
 def test_not_root_is_a_clear_refusal(tmp_path, monkeypatch):
