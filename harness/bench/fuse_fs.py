@@ -13,9 +13,10 @@ wait together, as on a storage server that serves them concurrently.
 Needs root (``mount(2)`` of FUSE without fusermount) and ``/dev/fuse``;
 otherwise entering raises :class:`FuseUnavailableError` saying which.
 
->>> with FuseFS("/models/m", latency_s=0.05) as mnt:  # doctest: +SKIP
-...     os.stat(mnt / "model-00001-of-00002.safetensors")
-...     fs.counts()["LOOKUP"]
+>>> fs = FuseFS("/models/m", latency_s=0.05)  # doctest: +SKIP
+>>> with fs as mnt:  # doctest: +SKIP
+...     size = os.stat(mnt / "model-00001-of-00002.safetensors").st_size
+...     served = fs.counts()["GETATTR"]  # 1 once the name is known
 """
 
 from __future__ import annotations
