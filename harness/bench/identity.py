@@ -10,19 +10,21 @@ cache), so one run shows both; opens, reads, stats and wall time are what
 the shim observed. content/stat opens no shard and content/pinned does no
 I/O in either variant; the table shows the counts beside the walls.
 
-content/stat is also reported in round trips (wall / one stat latency) at
-the row's shard count and at each count in ``trip_shards`` (default 1000;
-those checkpoints have 10 KiB shards, since content/stat reads no byte of a
-shard), median of ``trip_repeats`` (default 3), two ways:
+The table's stats are the thread pool's (``PRELOAD_GATE_STAT_BACKEND=pool``):
+RemoteFS patches Python's ``os.stat`` and cannot see a stat io_uring issues
+in the kernel.
 
-- ``prestarted`` (the judged figure): the stat pool was started by
-  ``prestart_stat_workers``, the call vLLM's plugin registration makes
-  when the engine's environment has ``PRELOAD_GATE_STAT_WORKERS`` (the
-  operator's setting for checkpoints of many shards), seconds before the
-  check; the pool's start is outside the clock, as it is in the engine.
-- ``cold``: the workers are stopped first, so the check creates its own
-  threads (~100 us each in CPython), as a restarting engine without that
-  setting does. Reported beside, in the notes and details.
+content/stat is also reported in round trips (wall / one stat latency) at
+the row's shard count and at each count in ``trip_shards`` (default 1000),
+on checkpoints of 10 KiB shards (content/stat reads no byte of a shard),
+median of ``trip_repeats`` (default 3), by
+:func:`harness.bench.stat_trips.fuse_trips`: through a FUSE mirror that
+answers every request after ``stat_latency_ms``, so the kernel sees every
+stat, timed with io_uring (the judged figure where the kernel allows it),
+with the pool prestarted (``PRELOAD_GATE_STAT_WORKERS``: its start outside
+the clock, as at plugin registration) and cold (the check creates its own
+threads). Where FUSE cannot be mounted (not root, no /dev/fuse) these rows
+are RemoteFS's, the pool forced, and the notes say why.
 
 The startup heap is frozen before any clock starts (as vLLM's engine core
 does), so a full garbage collection of the imported vLLM and torch
@@ -31,14 +33,11 @@ objects does not land in one scheme's wall at random.
 
 from __future__ import annotations
 
-import _thread
 import gc
 import os
-import resource
 import shutil
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,87 +50,21 @@ from harness.bench import (
     progress,
     scratch,
 )
-from harness.bench.remote_fs import IOCounts, RemoteFS
+from harness.bench.fuse_fs import FuseUnavailableError
+from harness.bench.remote_fs import IOCounts
+from harness.bench.stat_trips import (
+    cold_start,
+    fuse_trips,
+    local_uring_walls,
+    measure,
+    remote_trips,
+    stat_backend,
+)
 from harness.bench.synthetic import write_synthetic
 from preload.identity import anchors
-from preload.identity.stat_pool import prestart_stat_workers, stop_stat_workers
 from preload.promote import promote
 
-
-def _cold_start() -> None:
-    """Stop the parked stat workers and wait until their threads are gone.
-
-    A restarting engine is a fresh process: no threads of an earlier check
-    are exiting beside its first one. ``stop_stat_workers`` returns once the
-    workers left their loops; their thread states and stacks are torn down
-    after that, and 1,000 of them doing so inside the next clock cost up to
-    0.2 s of CPU here (cold CPU grew 0.20 -> 0.34 -> 0.41 s over three runs).
-    """
-    stop_stat_workers()
-    deadline, last, steady = time.monotonic() + 10, -1, 0
-    while steady < 3 and time.monotonic() < deadline:  # thread count stable for 60 ms
-        now = _thread._count()
-        steady, last = (steady + 1 if now == last else 0), now
-        time.sleep(0.02)
-    time.sleep(0.2)  # the kernel side of thread exit (stack munmap)
-
-
 # -- restart identity ------------------------------------------------------------
-
-
-def _measure(fs_root: Path, latency_s: float, stat_latency_s: float, fn: Callable[[], object]) -> tuple[IOCounts, float]:
-    with RemoteFS([fs_root], latency_s=latency_s, stat_latency_s=stat_latency_s) as fs:
-        t0 = time.perf_counter()
-        fn()
-        wall = time.perf_counter() - t0
-    return fs.counts, wall
-
-
-def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
-    return r.ru_utime + r.ru_stime
-
-
-def _stat_trips(ckpt: Path, cache: Path, latency_ms: float, stat_ms: float, repeats: int) -> dict:
-    """content/stat on ``ckpt``: the median wall of ``repeats`` cold starts (stat
-    workers stopped before each, so the call creates its threads) and of as
-    many calls with the pool prestarted beforehand, outside the clock, by the
-    call plugin registration makes (``prestart_stat_workers``).
-
-    The process's CPU time per call is kept beside each wall: on a shared
-    machine the wall stretches with other load, the CPU time much less, and
-    wall ~ one latency + CPU time when the machine is quiet.
-    """
-    def once() -> tuple[IOCounts, float, float]:
-        cpu = _cpu_s()
-        counts, wall = _measure(ckpt, latency_ms / 1000, stat_ms / 1000,
-                                lambda: anchors.content(ckpt, "stat", cache_dir=cache))
-        return counts, wall, _cpu_s() - cpu
-
-    cold: list[tuple[float, float]] = []
-    parked: list[tuple[float, float]] = []
-    for _ in range(repeats):
-        _cold_start()
-        counts, wall, cpu = once()
-        cold.append((wall, cpu))
-        pool = prestart_stat_workers(counts.stats, in_forks=False)
-        if pool is not None:
-            pool.join()
-        parked.append(once()[1:])
-    stop_stat_workers()
-    trip = stat_ms / 1000
-    return {
-        "stats": counts.stats,
-        "opens": counts.opens,
-        "wall_s": statistics.median(w for w, _ in parked),
-        "cold_wall_s": statistics.median(w for w, _ in cold),
-        "cold_walls_s": [round(w, 6) for w, _ in cold],
-        "cold_cpu_s": [round(c, 6) for _, c in cold],
-        "prestarted_walls_s": [round(w, 6) for w, _ in parked],
-        "prestarted_cpu_s": [round(c, 6) for _, c in parked],
-        "round_trips": statistics.median(w for w, _ in parked) / trip,
-        "cold_round_trips": statistics.median(w for w, _ in cold) / trip,
-    }
 
 
 def _latencies(options: BenchOptions) -> list[tuple[float, float]]:
@@ -152,6 +85,32 @@ def _latencies(options: BenchOptions) -> list[tuple[float, float]]:
     if (remote, stat) != (0.0, 0.0):
         variants.append((0.0, 0.0))
     return variants
+
+
+def _how(t: dict) -> str:
+    fs = "FUSE mirror" if t["fs"] == "fuse" else "RemoteFS"
+    return f"io_uring, {fs}" if t["backend"] == "uring" else f"pool prestarted, {fs}"
+
+
+def _trip_notes(t: dict, charged: str, repeats: int, fuse_refused: str | None) -> str:
+    """Every way the stats were timed, with its CPU: the judged one first."""
+    def ms(key: str) -> str:
+        return f"{statistics.median(t[key]) * 1000:.0f} ms CPU"
+
+    if t["fs"] == "fuse":
+        where = "every request to a FUSE mirror answered after one latency (the kernel sees every stat)"
+    else:
+        where = f"{charged}; RemoteFS, the pool forced (FUSE rows not run: {fuse_refused})"
+    parts = [f"{where}; medians of {repeats} checks"]
+    if "uring_walls_s" in t:
+        parts.append(f"io_uring (fresh ring each): {t['uring_round_trips']:.2f} round trips, {ms('uring_cpu_s')}, "
+                     f"server {ms('uring_server_cpu_s')}")
+    elif t["fs"] == "fuse":
+        parts.append(f"io_uring not run: {t['uring_unavailable']}")
+    parts.append(f"pool prestarted: {t['pool_round_trips']:.2f} round trips, {ms('prestarted_cpu_s')}")
+    parts.append(f"cold (no PRELOAD_GATE_STAT_WORKERS: the check creates its threads): "
+                 f"{t['cold_round_trips']:.2f} round trips, {ms('cold_cpu_s')}")
+    return "; ".join(parts)
 
 
 # (anchor, ours) pairs reported per latency variant.
@@ -179,6 +138,10 @@ def restart_identity(options: BenchOptions) -> list[BenchResult]:
     work = scratch(options, "pg-bench-restart-")
     measured: dict[tuple[float, str], tuple[IOCounts, float]] = {}
     trips: dict[tuple[int, float], dict] = {}
+    pairs_median: dict[float, dict] = {}
+    fuse_refused: str | None = None  # why the FUSE mirror could not be mounted
+    promoted: set[Path] = set()  # checkpoints promoted at their real path (the RemoteFS fallback)
+    local_uring: list[float] | None = None  # content/stat on local disk through io_uring (None: not run)
     load_before = os.getloadavg()
     try:
         ckpt = work / "ckpt"
@@ -213,26 +176,40 @@ def restart_identity(options: BenchOptions) -> list[BenchResult]:
         # to allocate when it came due. Every scheme is measured this way.
         gc.collect()
         gc.freeze()
-        # Same files, same process, variants back to back.
-        for latency_ms, stat_ms in variants:
-            for name, fn in schemes.items():
-                progress(f"restart_identity: {name} at {latency_ms:g} ms")
-                if name == "content/stat":
-                    _cold_start()  # as in a restarting engine
-                measured[(latency_ms, name)] = _measure(ckpt, latency_ms / 1000, stat_ms / 1000, fn)
-        if "content/stat" in schemes and any(stat_ms > 0 for _, stat_ms in variants):
+        # Same files, same process, variants back to back. RemoteFS sees only
+        # stats issued from Python, so the pool issues them here.
+        with stat_backend("pool"):
             for latency_ms, stat_ms in variants:
-                if stat_ms > 0:
-                    trips[(shards, stat_ms)] = _stat_trips(ckpt, cache, latency_ms, stat_ms, repeats)
-            for n in extra:
-                tiny = work / f"ckpt-{n}"
-                write_synthetic(tiny, n, 10 << 10)
-                socks = Path(tempfile.mkdtemp(prefix="pg-bs-", dir="/tmp"))
-                promote(tiny, socket_root=socks, cache_dir=cache, progress=False)
-                shutil.rmtree(socks, ignore_errors=True)
-                for latency_ms, stat_ms in variants:
-                    if stat_ms > 0:
-                        trips[(n, stat_ms)] = _stat_trips(tiny, cache, latency_ms, stat_ms, repeats)
+                for name, fn in schemes.items():
+                    progress(f"restart_identity: {name} at {latency_ms:g} ms")
+                    if name == "content/stat":
+                        cold_start()  # as in a restarting engine
+                    measured[(latency_ms, name)] = measure(ckpt, latency_ms / 1000, stat_ms / 1000, fn)
+        if "content/stat" in schemes and (0.0, 0.0) in variants:
+            local_uring = local_uring_walls(ckpt, cache, repeats)
+        remote = [(lat, stat) for lat, stat in variants if stat > 0] if "content/stat" in schemes else []
+        for latency_ms, stat_ms in remote:  # the pairs' content/stat: cold medians under RemoteFS
+            pairs_median[stat_ms] = remote_trips(ckpt, cache, latency_ms, stat_ms, repeats)
+        for n in [shards, *extra] if remote else []:
+            tiny = work / f"ckpt-{n}"
+            write_synthetic(tiny, n, 10 << 10)
+            for latency_ms, stat_ms in remote:
+                progress(f"restart_identity: content/stat round trips at {n} shards, {stat_ms:g} ms")
+                if fuse_refused is None:
+                    try:
+                        trips[(n, stat_ms)] = fuse_trips(tiny, cache, stat_ms, repeats)
+                        continue
+                    except FuseUnavailableError as exc:
+                        fuse_refused = str(exc)
+                if n == shards:
+                    trips[(n, stat_ms)] = pairs_median[stat_ms]
+                    continue
+                if tiny not in promoted:
+                    socks = Path(tempfile.mkdtemp(prefix="pg-bs-", dir="/tmp"))
+                    promote(tiny, socket_root=socks, cache_dir=cache, progress=False)
+                    shutil.rmtree(socks, ignore_errors=True)
+                    promoted.add(tiny)
+                trips[(n, stat_ms)] = remote_trips(tiny, cache, latency_ms, stat_ms, repeats)
         load_after = os.getloadavg()
     finally:
         gc.unfreeze()
@@ -267,19 +244,15 @@ def restart_identity(options: BenchOptions) -> list[BenchResult]:
                     row="restart_identity",
                     title=f"restart identity, {n} shards, {where}: content/stat in round trips",
                     anchor=Figure("one stat round trip", stat_ms / 1000, "s"),
-                    ours=Figure(f"content/stat ({t['stats']} stats, concurrent, pool prestarted)",
-                                t["wall_s"], "s"),
+                    ours=Figure(f"content/stat ({t['stats']} stats, concurrent, {_how(t)})", t["wall_s"], "s"),
                     ratio=t["wall_s"] / (stat_ms / 1000),
                     ratio_meaning="round trips spent (content/stat wall / one stat latency)",
-                    target=("<= 3 round trips at any shard count (stats issued concurrently from the pool "
-                            "PRELOAD_GATE_STAT_WORKERS starts at plugin registration)"),
+                    target=("<= 3 round trips at any shard count (stats issued concurrently: io_uring where the "
+                            "kernel allows it, else the pool PRELOAD_GATE_STAT_WORKERS starts at plugin "
+                            "registration)"),
                     details={**details, "variant_latency_ms": latency_ms, "variant_stat_latency_ms": stat_ms,
                              "trip_shards": n, **t},
-                    notes=(f"{charged}; median of {repeats} checks with the pool prestarted, "
-                           f"{statistics.median(t['prestarted_cpu_s']) * 1000:.0f} ms CPU each; cold (no "
-                           f"PRELOAD_GATE_STAT_WORKERS: the check creates its threads): "
-                           f"{t['cold_round_trips']:.2f} round trips, "
-                           f"{statistics.median(t['cold_cpu_s']) * 1000:.0f} ms CPU"),
+                    notes=_trip_notes(t, charged, repeats, fuse_refused),
                 )
             )
         for anchor, ours in _PAIRS:
@@ -287,14 +260,23 @@ def restart_identity(options: BenchOptions) -> list[BenchResult]:
                 continue
             (ac, aw), (oc, ow) = measured[(latency_ms, anchor)], measured[(latency_ms, ours)]
             note = charged + ("; ours does no checkpoint I/O at all, so no ratio" if not oc.touched else "")
+            if ours == "content/stat":
+                note += "; the stats are the thread pool's (RemoteFS sees only stats issued from Python)"
             # A 10 s anchor is steady in one run; a 50 ms check is not (one
             # scheduler stall on a shared machine doubles it): ours is the
             # median of the cold starts above where they were measured.
-            median = trips.get((shards, stat_ms)) if ours == "content/stat" else None
+            median = pairs_median.get(stat_ms) if ours == "content/stat" else None
             if median is not None:
                 note += (f"; ours is the median of {repeats} cold starts (the table's single run: "
                          f"{ow:.3g} s)")
                 ow = median["cold_wall_s"]  # cold: this ratio needs no PRELOAD_GATE_STAT_WORKERS
+            extra_details: dict = {}
+            if ours == "content/stat" and not (latency_ms or stat_ms) and local_uring:
+                # The table's stats are the pool's (the shim counts them); on local
+                # disk an engine where io_uring is allowed issues them through it.
+                extra_details["uring_walls_s"] = local_uring
+                note += (f"; through io_uring (the default where the kernel allows it, not counted by the "
+                         f"shim): {statistics.median(local_uring):.3g} s, median of {repeats}")
             results.append(
                 BenchResult(
                     row="restart_identity",
@@ -304,7 +286,9 @@ def restart_identity(options: BenchOptions) -> list[BenchResult]:
                     ratio=(aw / ow) if oc.touched and ow > 0 else None,
                     ratio_meaning="anchor wall / ours wall",
                     target="content/stat opens no shard; content/pinned touches nothing",
-                    details={**details, "variant_latency_ms": latency_ms, "variant_stat_latency_ms": stat_ms},
+                    details={**details, "variant_latency_ms": latency_ms, "variant_stat_latency_ms": stat_ms,
+                             **({"cold_wall_s": ow, "cold_walls_s": median["cold_walls_s"]} if median else {}),
+                             **extra_details},
                     notes=note,
                 )
             )

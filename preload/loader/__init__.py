@@ -46,10 +46,11 @@ def register() -> None:
     """``vllm.general_plugins`` entry point: register ``verified_cache``.
 
     With ``PRELOAD_GATE_STAT_WORKERS=N`` in the engine's environment it also
-    starts the stat pool of the restart check (N: about the checkpoint's
-    shard count) in the background, so a checkpoint of many shards on
+    prepares the restart check's stats (N: about the checkpoint's shard
+    count): sets up the io_uring ring, or where io_uring is not used starts
+    the stat pool in the background, so a checkpoint of many shards on
     remote storage is checked in about one round trip
-    (:func:`preload.identity.stat_pool.prestart_stat_workers`). A bad N is
+    (:func:`preload.identity.filestat.prestart_stats`). A bad N is
     one warning line naming the variable and the fix, and no pool: the
     plugin loads in every vLLM process, and a tuning knob's typo must not
     fail engines that do not even use this load format.
@@ -58,7 +59,7 @@ def register() -> None:
 
     from vllm.model_executor.model_loader import register_model_loader
 
-    from preload.identity import stat_pool
+    from preload.identity import filestat, stat_pool
 
     register_model_loader(LOAD_FORMAT)(loader_class())
     try:
@@ -66,7 +67,7 @@ def register() -> None:
     except ValueError as exc:
         logging.getLogger("preload.loader").warning("preload-gate: %s; no stat pool started", exc)
         return
-    stat_pool.prestart_stat_workers(workers)
+    filestat.prestart_stats(workers)
 
 
 __all__ = ["LOAD_FORMAT", "LoaderConfigError", "LoaderOptions", "loader_class", "register"]

@@ -20,6 +20,14 @@ from preload_gate.cli import main
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("no_vllm")]
 
 
+@pytest.fixture(autouse=True)
+def _pool_backend(monkeypatch):
+    """The shim sees only stats issued from Python: the thread pool's."""
+    from preload.identity.filestat import STAT_BACKEND_ENV
+
+    monkeypatch.setenv(STAT_BACKEND_ENV, "pool")
+
+
 @pytest.fixture
 def many_shards(tmp_path):
     ckpt = tmp_path / "ckpt"
@@ -124,17 +132,49 @@ def test_restart_row_measures_with_and_without_latency(tmp_path):
         assert len(r.details["cold_walls_s"]) == len(r.details["prestarted_walls_s"]) == 2
         assert len(r.details["cold_cpu_s"]) == len(r.details["prestarted_cpu_s"]) == 2
         assert min(r.details["cold_walls_s"] + r.details["prestarted_walls_s"]) >= 0.002
-        assert "pool prestarted" in r.ours.label and "cold (no PRELOAD_GATE_STAT_WORKERS" in r.notes
+        assert "cold (no PRELOAD_GATE_STAT_WORKERS" in r.notes and "pool prestarted: " in r.notes
         assert r.details["cold_round_trips"] == r.details["cold_wall_s"] / 0.002
-    # The remote pairs take ours from the median of the 4-shard cold starts; the local ones from the table.
+        judged = "io_uring" if r.details["backend"] == "uring" else "pool prestarted"
+        assert judged in r.ours.label and r.details["fs"] in r.ours.label.replace("FUSE mirror", "fuse")
+        if r.details["fs"] == "fuse":  # the kernel's FUSE client saw one GETATTR per stat, whoever issued it
+            assert r.details["fuse_counts"].get("GETATTR") == n + 2 and "OPEN" not in r.details["fuse_counts"]
+            if r.details["backend"] == "uring":
+                assert len(r.details["uring_walls_s"]) == 2 and "io_uring (fresh ring each)" in r.notes
+                assert r.details["wall_s"] == pytest.approx(sum(r.details["uring_walls_s"]) / 2, abs=1e-6)
+    # The remote pairs take ours from the median of RemoteFS cold starts (pool forced); the local ones from the table.
     remote = [r for r in results if "2 ms remote fs (" in r.title and "content/stat" in r.ours.label]
     local = [r for r in results if "local fs (0 ms) (" in r.title and "content/stat" in r.ours.label]
     assert len(remote) == len(local) == 3
-    assert all(r.ours.value == trips[0].details["cold_wall_s"] and "median of 2 cold starts" in r.notes for r in remote)
+    for r in remote:
+        assert r.ours.value == r.details["cold_wall_s"] and len(r.details["cold_walls_s"]) == 2
+        assert "median of 2 cold starts" in r.notes and "thread pool's" in r.notes
     local_wall = {r["scheme"]: r["wall_s"] for r in rows if r["latency_ms"] == 0.0}["content/stat"]
-    assert all(r.ours.value == pytest.approx(local_wall, abs=1e-6) and "median" not in r.notes for r in local)
+    assert all(r.ours.value == pytest.approx(local_wall, abs=1e-6) and "cold starts" not in r.notes for r in local)
+    from preload.identity import uring
+
+    if uring.unavailable() is None:  # on local disk io_uring's wall is given beside the pool's (no shim there)
+        assert all(len(r.details["uring_walls_s"]) == 2 and "through io_uring" in r.notes for r in local)
     pinned = [r for r in results if r.ours.label.startswith("content/pinned")]
     assert len(pinned) == 2 and all(r.ratio is None for r in pinned)
+
+
+def test_without_fuse_the_round_trips_are_remote_fs_with_the_reason(tmp_path, monkeypatch):
+    """Not root, no /dev/fuse: the round-trip rows still run (RemoteFS, the pool) and say why."""
+    from harness.bench import fuse_fs
+
+    def refuse(self):
+        raise fuse_fs.FuseUnavailableError("not root: mounting FUSE without fusermount needs CAP_SYS_ADMIN")
+
+    monkeypatch.setattr(fuse_fs.FuseFS, "__enter__", refuse)
+    opts = BenchOptions(workdir=tmp_path, params={"shards": "3", "shard_mb": "0.05", "latency_ms": "2",
+                                                       "header_impl": "reimpl", "trip_shards": "5",
+                                                       "trip_repeats": "1", "schemes": "content/stat"})
+    trips = [r for r in run_rows(opts, ["restart_identity"]) if "round trips" in r.title]
+    assert [r.details["trip_shards"] for r in trips] == [3, 5]
+    for r, n in zip(trips, (3, 5), strict=True):
+        assert r.details["fs"] == "remote_fs" and r.details["backend"] == "pool"
+        assert r.details["stats"] == n + 2, "RemoteFS counted every stat: the pool issued them"
+        assert "FUSE rows not run: not root" in r.notes and "pool prestarted, RemoteFS" in r.ours.label
 
 
 def test_restart_row_bad_latency(tmp_path):

@@ -31,7 +31,7 @@ from safetensors.numpy import save_file
 
 from fixtures.mutations import copy_checkpoint
 from harness.bench.remote_fs import RemoteFS
-from preload.identity import anchors, stat_pool
+from preload.identity import anchors, stat_pool, uring
 from preload.identity import filestat as filestat_mod
 from preload.identity import manifest as manifest_mod
 from preload.identity.filestat import FileStat, stat_all
@@ -39,6 +39,24 @@ from preload.identity.manifest import StaleManifestError, manifest_path, resolve
 from preload.promote import promote
 
 pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True)
+def _pool_backend(monkeypatch):
+    """The thread pool issues the stats here: the shim (RemoteFS) counts them
+    and the fake ``FileStat.of`` below stands in for them, and both see only
+    stats issued from Python. Tests marked with ``backend`` run both ways;
+    io_uring's own tests are in test_identity_uring.py."""
+    monkeypatch.setenv(filestat_mod.STAT_BACKEND_ENV, "pool")
+
+
+@pytest.fixture(params=["pool", "uring"])
+def backend(request, monkeypatch):
+    if request.param == "uring" and uring.unavailable() is not None:
+        pytest.skip(f"io_uring unavailable here: {uring.unavailable()}")
+    monkeypatch.setenv(filestat_mod.STAT_BACKEND_ENV, request.param)
+    assert filestat_mod.stat_backend() == request.param
+    return request.param
 
 
 @pytest.fixture
@@ -244,7 +262,7 @@ def test_stat_all_keeps_input_order_when_completion_is_reversed(monkeypatch, qui
     assert completion == list(range(n - 1, -1, -1))
 
 
-def test_stat_all_turns_oserror_into_values(tmp_path, quick_idle):
+def test_stat_all_turns_oserror_into_values(tmp_path, quick_idle, backend):
     present = tmp_path / "present"
     present.write_bytes(b"x")
     out = stat_all([present, tmp_path / "missing", present / "under-a-file", tmp_path])
@@ -254,7 +272,7 @@ def test_stat_all_turns_oserror_into_values(tmp_path, quick_idle):
     assert isinstance(out[3], FileStat) and out[3] == FileStat.of(tmp_path)
 
 
-def test_stat_all_raises_other_errors_and_its_workers_survive(tmp_path, quick_idle):
+def test_stat_all_raises_other_errors_and_its_workers_survive(tmp_path, quick_idle, backend):
     with pytest.raises(ValueError, match="null"):
         stat_all([tmp_path, "bad\0path", tmp_path])
     assert all(isinstance(r, FileStat) for r in stat_all([tmp_path] * 5))
@@ -328,17 +346,21 @@ def test_parked_workers_are_reused_and_leave_when_idle(tmp_path, monkeypatch, qu
     assert stat_pool._workers.parked() == 0
 
 
-def test_stat_all_works_in_a_forked_child(tmp_path, quick_idle):
+def test_stat_all_works_in_a_forked_child(tmp_path, quick_idle, backend):
     """The parent's parked workers do not exist in a child; the child starts its own."""
     import signal
 
     stat_all([tmp_path] * 4)
-    assert stat_pool._workers.parked() > 0
+    if backend == "pool":
+        assert stat_pool._workers.parked() > 0
+    else:
+        assert uring._ring is not None, "the parent's ring exists, and the child must not use it"
+    parents = uring._ring
     pid = os.fork()
     if pid == 0:  # child: a hang is killed by the alarm, not waited on forever
         signal.alarm(20)
         ok = all(isinstance(r, FileStat) for r in stat_all([tmp_path] * 4))
-        os._exit(0 if ok else 1)
+        os._exit(0 if ok and (backend == "pool" or uring._ring is not parents) else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
 
@@ -359,9 +381,12 @@ def _thousand_shards(tmp_path):
 
 
 @pytest.mark.parametrize("limit", [None, 64], ids=["one-round", "strided"])
-def test_one_stale_shard_among_1000_is_caught(tmp_path, monkeypatch, quick_idle, limit):
+def test_one_stale_shard_among_1000_is_caught(tmp_path, monkeypatch, request, quick_idle, backend, limit):
     if limit is not None:
+        request.addfinalizer(uring.reset)  # later tests get a ring of the real size
         monkeypatch.setattr(filestat_mod, "MAX_STATS_IN_FLIGHT", limit)
+        monkeypatch.setattr(uring, "MAX_ENTRIES", limit)
+        uring.reset()  # the next ring has `limit` entries: waves of 64
     ckpt, man = _thousand_shards(tmp_path)
     # Control: the untouched checkpoint is not stale, so a hit below is the edit.
     assert manifest_mod.stale_reason(ckpt, man) is None
@@ -372,6 +397,8 @@ def test_one_stale_shard_among_1000_is_caught(tmp_path, monkeypatch, quick_idle,
     os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
     reason, shard = manifest_mod.stale_reason(ckpt, man)
     assert shard == victim.name and "ctime_ns" in reason
+    if backend == "uring" and limit is not None:
+        assert uring._ring is not None and uring._ring.entries == limit, "control: the check ran in waves"
 
 
 def test_a_thread_that_cannot_start_leaves_no_stat_undone(tmp_path, monkeypatch, quick_idle):

@@ -9,7 +9,7 @@ import types
 import pytest
 
 import preload.loader as loader_pkg
-from preload.identity import stat_pool
+from preload.identity import filestat, stat_pool
 
 pytestmark = pytest.mark.unit
 
@@ -32,7 +32,7 @@ def fake_registry(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader", mod)
     monkeypatch.setattr(loader_pkg, "loader_class", lambda: type("FakeLoader", (), {}))
     started: list[int] = []
-    monkeypatch.setattr(stat_pool, "prestart_stat_workers", lambda n: started.append(n))
+    monkeypatch.setattr(filestat, "prestart_stats", lambda n: started.append(n))
     return registered, started
 
 
