@@ -38,6 +38,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from preload.identity.filestat import STAT_BACKEND_ENV
+
 
 @dataclass
 class IOCounts:
@@ -118,6 +120,7 @@ class RemoteFS:
         self._lock = threading.Lock()
         self._fds: set[int] = set()
         self._saved: dict[tuple[Any, str], Any] = {}
+        self._backend: str | None = None
 
     # -- accounting ---------------------------------------------------------
 
@@ -230,8 +233,17 @@ class RemoteFS:
         }
         for (mod, name), fn in patches.items():
             setattr(mod, name, fn)
+        # The shim sees only stats issued from Python: the restart check's
+        # io_uring stats would pass it uncounted and undelayed, so inside the
+        # block they go through the thread pool (preload.identity.filestat).
+        self._backend = os.environ.get(STAT_BACKEND_ENV)
+        os.environ[STAT_BACKEND_ENV] = "pool"
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for (mod, name), fn in self._saved.items():
             setattr(mod, name, fn)
+        if self._backend is None:
+            os.environ.pop(STAT_BACKEND_ENV, None)
+        else:
+            os.environ[STAT_BACKEND_ENV] = self._backend

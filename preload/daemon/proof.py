@@ -29,7 +29,7 @@ from pgbase.shards import (
     parse_accepted,
 )
 from preload.identity.digest import checkpoint_digest
-from preload.identity.manifest import Manifest
+from preload.identity.manifest import Manifest, promote_command
 
 CHUNK_BYTES = 8 << 20
 
@@ -202,5 +202,5 @@ def check_digest(
     raise DigestMismatchError(
         f"refusing to serve: the checkpoint's bytes hash to {digest[:16]}..., not the expected "
         f"{expected[:16]}...{' (' + detail + ')' if detail else ''}; if the new content is intended, "
-        "run: preload-gate promote CKPT"
+        f"run: {promote_command(manifest.checkpoint) if manifest is not None else 'preload-gate promote CKPT'}"
     )

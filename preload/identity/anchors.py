@@ -189,7 +189,7 @@ def realpath(checkpoint: str | os.PathLike[str]) -> Fingerprint:
     if not os.path.isdir(checkpoint):
         raise CheckpointError(f"checkpoint directory {checkpoint} does not exist")
     real = os.path.realpath(checkpoint)
-    return Fingerprint("realpath", hashlib.sha256(real.encode()).hexdigest(), "preload-gate (realpath)")
+    return Fingerprint("realpath", hashlib.sha256(os.fsencode(real)).hexdigest(), "preload-gate (realpath)")
 
 
 # -- content --------------------------------------------------------------------

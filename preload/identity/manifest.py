@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import stat
 import time
 from dataclasses import asdict, dataclass, field
@@ -97,24 +98,24 @@ class Manifest:
         wrong shape is a :class:`ManifestError` naming ``source``, msgspec's
         path to the field (``$.shards[0].stat.ino``) and the command to run.
         """
-        checkpoint = obj.get("checkpoint", "CKPT") if isinstance(obj, dict) else "CKPT"
+        checkpoint = obj.get("checkpoint") if isinstance(obj, dict) else None
         try:
             # The version first: an older manifest may lack fields this one requires.
             version = msgspec.convert(obj, _Versioned).version
             if version != MANIFEST_VERSION:
                 raise StaleManifestError(
-                    f"{source} has version {version!r}, not {MANIFEST_VERSION}; run: preload-gate promote {checkpoint}")
+                    f"{source} has version {version!r}, not {MANIFEST_VERSION}; run: {promote_command(checkpoint)}")
             manifest = msgspec.convert(obj, cls)
         except msgspec.ValidationError as exc:
             raise ManifestError(
-                f"{source} is malformed ({exc}); run: preload-gate promote {checkpoint}") from exc
+                f"{source} is malformed ({exc}); run: {promote_command(checkpoint)}") from exc
         # The digest an engine trusts is the one its own shard list implies: an
         # edited "digest" (another checkpoint's, or no digest at all) is refused.
         implied = checkpoint_digest({r.name: r.sha256 for r in manifest.shards})
         if manifest.digest != implied:
             raise ManifestError(
                 f"{source} is malformed (its digest {str(manifest.digest)[:16]} is not the one its shard list "
-                f"implies, {implied[:16]}); run: preload-gate promote {manifest.checkpoint}")
+                f"implies, {implied[:16]}); run: {promote_command(manifest.checkpoint)}")
         return manifest
 
 
@@ -122,12 +123,21 @@ class _Versioned(msgspec.Struct):
     version: Any
 
 
-def default_cache_dir() -> Path:
-    env = os.environ.get("PRELOAD_GATE_CACHE")
-    if env:
-        return Path(env)
+def default_cache_dir(env: bool = True) -> Path:
+    """``$PRELOAD_GATE_CACHE`` (``env``), else ``$XDG_CACHE_HOME/preload-gate``, else ``~/.cache/preload-gate``."""
+    if env and os.environ.get("PRELOAD_GATE_CACHE"):
+        return Path(os.environ["PRELOAD_GATE_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "preload-gate"
+
+
+def promote_command(checkpoint: object, cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """The command that re-promotes ``checkpoint`` into the cache its engines read: absolute, quoted, with
+    ``--cache-dir`` unless that cache is the plain default (an operator's shell may not set PRELOAD_GATE_CACHE)."""
+    cache = Path(cache_dir or default_cache_dir())
+    where = "" if cache == default_cache_dir(env=False) else f" --cache-dir {shlex.quote(os.path.abspath(cache))}"
+    ckpt = shlex.quote(os.path.abspath(checkpoint)) if isinstance(checkpoint, str | Path) else "CKPT"
+    return f"preload-gate promote {ckpt}{where}"
 
 
 def manifest_path(checkpoint: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None,
@@ -135,7 +145,7 @@ def manifest_path(checkpoint: str | os.PathLike[str], cache_dir: str | os.PathLi
     """Where the manifest of ``checkpoint`` lives: keyed by its real path
     (``resolve=False``: by the absolute path as given, no I/O)."""
     real = os.path.realpath(checkpoint) if resolve else os.path.abspath(checkpoint)
-    key = hashlib.sha256(real.encode()).hexdigest()
+    key = hashlib.sha256(os.fsencode(real)).hexdigest()  # any bytes a path can hold
     return Path(cache_dir or default_cache_dir()) / "manifests" / f"{key}.json"
 
 
@@ -278,8 +288,7 @@ class Resolution:
 
     digest: str
     mode: str
-    # "manifest" (stat matched), "pinned", "rehashed" (full).
-    source: str
+    source: str  # "manifest" (stat matched), "pinned", "rehashed" (full)
     stale_reason: str | None = None
 
 
@@ -377,14 +386,14 @@ def resolve_digest(
         if manifest is None:
             raise StaleManifestError(
                 f"no promotion manifest for {checkpoint} (looked for {manifest_path(checkpoint, cache_dir)}); "
-                f"run: preload-gate promote {checkpoint}"
+                f"run: {promote_command(checkpoint, cache_dir)}"
             )
         found = stale_reason(checkpoint, manifest)
         if found is not None:
             reason, shard = found
             raise StaleManifestError(
                 f"the promotion manifest for {checkpoint} is stale: {reason}; engines do not re-hash: "
-                f"run: preload-gate promote {checkpoint}",
+                f"run: {promote_command(checkpoint, cache_dir)}",
                 shard,
             )
         return Resolution(manifest.digest, mode, "manifest")

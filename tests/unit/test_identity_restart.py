@@ -499,3 +499,34 @@ def test_prestarted_workers_pin_to_the_cpu_the_starter_runs_on(monkeypatch, quic
             break
         threading.Event().wait(0.05)
     assert seen[0] == os.sched_getaffinity(0), "control: a worker a check creates is not pinned"
+
+
+def test_the_printed_fix_names_the_cache_the_engine_reads(promoted, monkeypatch):
+    """A stale manifest in a non-default cache (promote --cache-dir DIR) names
+    that cache in the command to run: the printed command, run as printed,
+    is the one that makes the check pass again (field trial F1)."""
+    import shlex
+    import subprocess
+    import sys
+
+    from preload.identity.manifest import default_cache_dir, promote_command
+
+    ckpt, cache, p = promoted
+    monkeypatch.delenv("PRELOAD_GATE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache.parent / "xdg"))
+    shard = ckpt / p.manifest.shards[0].name
+    with open(shard, "r+b") as f:
+        f.seek(os.stat(shard).st_size - 1)
+        f.write(b"\x01")
+    with pytest.raises(StaleManifestError) as info:
+        resolve_digest(ckpt, mode="stat", cache_dir=cache)
+    fix = str(info.value).rsplit("run: ", 1)[1]
+    assert fix == f"preload-gate promote {ckpt} --cache-dir {cache}"
+    argv = shlex.split(fix)
+    done = subprocess.run([sys.executable, "-m", "preload_gate.cli", *argv[1:], "--socket-root", str(cache / "s")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert resolve_digest(ckpt, mode="stat", cache_dir=cache).source == "manifest"
+    # Control: the plain default cache needs no flag, and a path with a space is quoted.
+    assert promote_command(ckpt, default_cache_dir(env=False)) == f"preload-gate promote {ckpt}"
+    assert promote_command("/m/a b") == "preload-gate promote '/m/a b'"
