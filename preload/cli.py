@@ -16,10 +16,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("promote", help="hash a checkpoint, write its manifest, create its socket dir")
     p.add_argument("checkpoint")
     p.add_argument("--socket-root", default=None, type=socket_root_arg, help="root of the digest-keyed socket dirs")
-    p.add_argument("--cache-dir", default=None, help="where manifests live (default ~/.cache/preload-gate)")
+    p.add_argument("--cache-dir", default=None, type=_nonempty,
+                   help="where manifests live (default ~/.cache/preload-gate)")
     p.add_argument("--workers", type=positive_int, default=None, help="hashing threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print the promotion as JSON")
     p.set_defaults(func=_promote)
+
+
+def _nonempty(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("is empty; name a directory (it is created if missing)")
+    return value
 
 
 def _promote(args: argparse.Namespace) -> int:

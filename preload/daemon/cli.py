@@ -84,6 +84,9 @@ def _cache_dir_arg(value: str) -> str:
     if os.path.lexists(path) and not os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{value} is not a directory; name the directory promote --cache-dir "
                                          "wrote (it holds manifests/)")
+    if not os.path.isdir(path):  # a typo would serve with no manifest: refused, not created
+        raise argparse.ArgumentTypeError(f"{value} does not exist; name the directory promote --cache-dir "
+                                         "wrote (it holds manifests/)")
     return path
 
 

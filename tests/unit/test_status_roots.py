@@ -213,3 +213,10 @@ def test_cache_dir_flag_names_the_cache_promote_wrote(tiny_ckpt: Path, tmp_path:
     assert json.loads(_cli(env, "status", "--json").stdout)["registry"] == str(b / "daemons")
     bad = _cli(env, "status", "--cache-dir", str(tiny_ckpt / "config.json"))
     assert bad.returncode == 2 and "is not a directory" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    # A typo'd or missing cache would serve with no manifest: refused (new-user F3); an empty one likewise (F4).
+    for argv, why in ((["preload", str(tiny_ckpt), "--cache-dir", str(tmp_path / "typo"), "--dry-run"], "does not exist"),
+                      (["status", "--cache-dir", str(tmp_path / "typo")], "does not exist"),
+                      (["promote", str(tiny_ckpt), "--cache-dir", ""], "is empty")):
+        r = _cli(env, *argv)
+        assert r.returncode == 2 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
+    assert not (tmp_path / "typo").exists()
