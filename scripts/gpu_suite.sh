@@ -19,9 +19,9 @@ status=0
 # msgspec (the wire and manifest schemas) is not on the GPU image: install it
 # beside the run from a wheel carried in .whl/ (device call: carry [".whl"]).
 if ! $PY -c "import msgspec" 2>/dev/null; then
-    wheel=$(ls .whl/msgspec-*.whl 2>/dev/null | head -1)
-    [ -n "$wheel" ] || { echo "gpu_suite: msgspec missing and no .whl/msgspec-*.whl carried" >&2; exit 2; }
-    $PY -m pip install -q --no-deps --target /tmp/pg-gpu-deps "$wheel" || exit 2
+    ls .whl/msgspec-*.whl >/dev/null 2>&1 || { echo "gpu_suite: msgspec missing and no .whl/msgspec-*.whl carried" >&2; exit 2; }
+    # pip picks the wheel built for this python from the folder (one per CPython tag may be carried).
+    $PY -m pip install -q --no-deps --no-index --find-links .whl --target /tmp/pg-gpu-deps msgspec || exit 2
     export PYTHONPATH="$PYTHONPATH:/tmp/pg-gpu-deps"
 fi
 
