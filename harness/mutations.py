@@ -90,6 +90,10 @@ class GateCase:
     def in_place(self) -> bool:
         return bool(self.recipe and self.recipe.in_place)
 
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The case's engine settings as :class:`harness.engine.EngineSpec` keywords."""
+        return self.settings.to_json()
+
     def key_check(self, digest: str, is_moe: bool = False) -> KeyCheck:
         """Build the daemon's key and the engine's key for this case with the
         product's own rule (:func:`preload.vllm_key.rank_key`, what the

@@ -9,9 +9,11 @@ not run (no case ran end to end, or the daemon did not start).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from harness.engine import EngineResult
+from harness.engine import EngineResult, EngineSpec
+from harness.mutations import GateCase
 from harness.verdict import BLOCK, NOT_RUN, PASS, Verdict
 
 EXIT_PASS, EXIT_BLOCKED, EXIT_NOT_RUN = 0, 1, 2
@@ -62,6 +64,20 @@ class CaseResult:
             "cached": engine(self.cached),
             "reference_reused": self.reference_reused,
         }
+
+
+@dataclass
+class PreparedCase:
+    """A case on its way to its :class:`CaseResult`: the candidate and the two
+    engines that serve it (``auto``, the reference, and the cache's). The
+    gate's daemon path and a cache target's runner each add what only it
+    tracks."""
+
+    case: GateCase
+    result: CaseResult
+    candidate: Path | None = None
+    reference_spec: EngineSpec | None = None
+    cached_spec: EngineSpec | None = None
 
 
 @dataclass

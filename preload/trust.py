@@ -24,6 +24,9 @@ from pgbase.errors import InsecureSocketError
 # are a configuration error, so no production config can turn them on. The
 # gate sets it for its own child processes only.
 UNSAFE_CONTROLS_ENV = "PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS"
+# What ``unsafe_identity`` / ``--unsafe-identity`` may name: vLLM's
+# header-only hash, the unsafe anchor the gate must see fail.
+UNSAFE_IDENTITIES = ("header_only",)
 
 
 class UntrustedPathError(InsecureSocketError):

@@ -39,7 +39,6 @@ from harness.daemon_process import DaemonProcess, DaemonStartError
 from harness.engine import CorePool, EngineResult, EngineSpec, run_engine
 from harness.gate.cases import (
     MAX_MODEL_LEN,
-    DeploymentCase,
     gate_settings,
     promotion_case,
     select_target_cases,
@@ -51,7 +50,7 @@ from harness.gate.golden import record_golden
 from harness.gate.options import GateOptions, GateSetupError
 from harness.gate.references import ReferenceCache, vllm_version
 from harness.mutations import BASE_SETTINGS, GateCase
-from harness.results import CaseResult, GateReport
+from harness.results import CaseResult, GateReport, PreparedCase
 from harness.targets import NAMES, get_target
 from harness.targets.base import UNSAFE_CONTROLS_ENV
 from harness.targets.checkpoints import weight_files
@@ -69,12 +68,7 @@ __all__ = ["TARGETS", "CaseResult", "GateOptions", "GateReport", "GateSetupError
 
 
 @dataclass
-class _Prepared:
-    case: GateCase
-    result: CaseResult
-    candidate: Path | None = None
-    reference_spec: EngineSpec | None = None
-    cached_spec: EngineSpec | None = None
+class _Prepared(PreparedCase):
     is_moe: bool = False
     mismatched_fields: tuple[str, ...] = ()
 
@@ -254,11 +248,7 @@ def _prepare(opts: GateOptions, case: GateCase, base: Path, candidate: Path, dae
     if res.expect != case.expect:
         res.notes.append(f"the catalogue reads this case as a {case.expect}; the digests and keys "
                          f"require a {res.expect}")
-    common: dict[str, Any] = case.settings.to_json()
-    if isinstance(case, DeploymentCase):
-        dep = case.deployment
-        common.update(pipeline_parallel_size=dep.pipeline_parallel_size, quantization=dep.quantization,
-                      kv_cache_dtype=dep.kv_cache_dtype, max_model_len=dep.max_model_len or MAX_MODEL_LEN)
+    common = case.engine_kwargs()
     p.reference_spec = EngineSpec(checkpoint=str(cand), **common)
     extra: dict[str, Any] = {"fallback": res.expect == "miss", "identity": "stat",
                              "socket_root": socket_root}

@@ -37,6 +37,13 @@ class DeploymentCase(GateCase):
         key = dense_key(digest, self.settings)
         return KeyCheck(self.expected_fields, tuple(key.mismatched_fields(key)))
 
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The row's engine settings with the deployment's own."""
+        d = self.deployment
+        return {**super().engine_kwargs(), "pipeline_parallel_size": d.pipeline_parallel_size,
+                "quantization": d.quantization, "kv_cache_dtype": d.kv_cache_dtype,
+                "max_model_len": d.max_model_len or MAX_MODEL_LEN}
+
 
 def settings_json(case: GateCase) -> dict[str, Any]:
     """The settings column of a case's report row."""

@@ -29,7 +29,7 @@ from typing import Any
 
 from harness.engine import CorePool, EngineResult, EngineSpec, run_engine
 from harness.mutations import EngineSettings, GateCase
-from harness.results import CaseResult, GateReport
+from harness.results import CaseResult, GateReport, PreparedCase
 from harness.targets.base import CacheTarget, PreparedCache
 from harness.targets.checkpoints import file_digest, make_candidate, stage_base, values_digest
 from harness.targets.judge import judge_served
@@ -38,15 +38,10 @@ from pgbase.errors import PreloadGateError
 
 
 @dataclass
-class _Case:
-    case: GateCase
-    result: CaseResult
-    candidate: Path | None = None
+class _Case(PreparedCase):
     cache: PreparedCache | None = None
     ref_key: str = ""
     cached_key: str = ""
-    reference_spec: EngineSpec | None = None
-    cached_spec: EngineSpec | None = None
     shared_with: str = ""
     log_label: str = ""
 
@@ -113,13 +108,7 @@ def run_target(target: CacheTarget, opts: Any, cases: list[GateCase], report: Ga
             # What a correct cache must do, from the digests (not the case's name).
             it.result.expect = expected_outcome(it.result.candidate_digest, it.result.daemon_digest,
                                                 it.case.expected_fields)
-            s = it.case.settings
-            common: dict[str, Any] = {"dtype": s.dtype, "tensor_parallel_size": s.tensor_parallel_size,
-                                      "data_parallel_size": s.data_parallel_size}
-            dep = getattr(it.case, "deployment", None)  # promotion: the deployment's engine settings
-            if dep is not None:
-                common.update(pipeline_parallel_size=dep.pipeline_parallel_size, quantization=dep.quantization,
-                              kv_cache_dtype=dep.kv_cache_dtype, max_model_len=dep.max_model_len or 256)
+            common = it.case.engine_kwargs()  # a promotion case: with the deployment's settings
             it.reference_spec = EngineSpec(checkpoint=str(cand), **common)
             it.cached_spec = target.cached_spec(it.cache, it.case, cand, common)
         _run_engines(target, opts, [it for it in items if it.cached_spec is not None], workdir, note)

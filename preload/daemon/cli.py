@@ -13,7 +13,10 @@ from pgbase.errors import PreloadGateError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from preload.identity.key import EXPORT_STAGES
+    from preload.identity.manifest import MODES as IDENTITY_MODES
     from preload.sockets import socket_root_arg
+    from preload.trust import UNSAFE_IDENTITIES
 
     p = sub.add_parser(
         "preload",
@@ -45,17 +48,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop (sockets removed) when the process that started this one exits, however it "
                    "exits: for supervisors such as the gate; without it the daemon outlives its starter")
-    p.add_argument("--stage", choices=("raw", "loaded", "processed"), default=None,
+    p.add_argument("--stage", choices=EXPORT_STAGES, default=None,
                    help="raw: checkpoint tensors (no vLLM); loaded: vLLM params before processing "
                    "(CPU default); processed: after processing (CUDA)")
     p.add_argument("--transport", choices=("shm", "cuda"), default="shm")
-    p.add_argument("--identity", choices=("stat", "pinned", "full"), default="stat",
+    p.add_argument("--identity", choices=IDENTITY_MODES, default="stat",
                    help="where the digest to prove comes from: the manifest (stat), --expect-digest "
                    "(pinned), or none: serve what the bytes hash to (full)")
     p.add_argument("--expect-digest", default=None, help="refuse to serve unless the bytes hash to this")
     p.add_argument("--health-port", type=port, default=None, help="serve /health and /metrics (off by default)")
     p.add_argument("--health-host", default="127.0.0.1")
-    p.add_argument("--unsafe-identity", choices=("header_only",), default=None,
+    p.add_argument("--unsafe-identity", choices=UNSAFE_IDENTITIES, default=None,
                    help="UNSAFE negative control for the gate: key by vLLM's header-only hash and skip "
                    "the byte proof")
     p.add_argument("--dry-run", action="store_true",

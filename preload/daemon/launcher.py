@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pgbase.errors import ManifestError, PreloadGateError
 from pgbase.ports import free_port
@@ -36,9 +36,13 @@ from preload.daemon.parent import INTERVAL_S as PARENT_POLL_S
 from preload.daemon.parent import ParentWatch
 from preload.daemon.placement import Parallelism, Placement, plan_local_ranks
 from preload.daemon.ready import RANK_READY, NotReadyError, ReadyLines, start_rank
+from preload.daemon.settings import DaemonSettings
 from preload.identity.manifest import load_manifest
 from preload.sockets import socket_dir
 from preload.trust import require_unsafe_controls
+
+if TYPE_CHECKING:
+    from preload.daemon.stage import RankConfig
 
 log = logging.getLogger("preload.daemon")
 
@@ -55,16 +59,13 @@ class StartInterruptedError(PreloadGateError):
 
 
 @dataclass
-class PreloadOptions:
-    checkpoint: str
+class PreloadOptions(DaemonSettings):
+    """The ``preload`` verb's options: what every rank gets (the daemon
+    settings) and what the launcher itself uses."""
+
     parallel: Parallelism = field(default_factory=Parallelism)
-    stage: str = "raw"
-    transport: str = "shm"
     identity: str = "stat"
-    socket_root: str | None = None
     expect_digest: str | None = None
-    unsafe_identity: str | None = None
-    engine: dict[str, Any] = field(default_factory=dict)
     health_port: int | None = None
     health_host: str = "127.0.0.1"
     master_port: int | None = None
@@ -111,6 +112,30 @@ def _cpu_slices(n: int) -> list[list[int] | None]:
     return [cpus[i * per : (i + 1) * per] for i in range(n)]
 
 
+def rank_orders(opts: PreloadOptions) -> list[tuple[Placement, RankConfig]]:
+    """Each local rank's placement and orders: the verb's daemon settings as
+    they are (the engine's with the tp/pp/dp sizes added), the rank's place,
+    the digest to prove, the group's rendezvous and the rank's CPUs."""
+    # Imported here, not at the top: the preflight before a start must not
+    # pay for torch (a refusal is meant to take milliseconds).
+    from preload.daemon.stage import RankConfig
+
+    placements = plan_local_ranks(opts.parallel)
+    digest, _source = expected_digest(opts)
+    port = opts.master_port or free_port()
+    slices = _cpu_slices(len(placements)) if opts.stage != "raw" else [None] * len(placements)
+    engine = {
+        **opts.engine, "tp_size": opts.parallel.tp_size, "pp_size": opts.parallel.pp_size,
+        "dp_size": opts.parallel.dp_size,
+    }
+    return [
+        (p, RankConfig(**opts.daemon_settings(engine=engine), global_rank=p.global_rank,
+                       local_rank=p.local_rank, tp_rank=p.tp_rank, pp_rank=p.pp_rank, dp_rank=p.dp_rank,
+                       expected_digest=digest, distributed_init_method=f"tcp://127.0.0.1:{port}", cpus=cpus))
+        for p, cpus in zip(placements, slices, strict=True)
+    ]
+
+
 class Launcher:
     def __init__(self, opts: PreloadOptions) -> None:
         self.opts = opts
@@ -123,30 +148,11 @@ class Launcher:
         (a signal, the parent gone) stops the ranks and raises
         :class:`StartInterruptedError`; a model load can take minutes.
         """
-        # Imported here, not at the top: the preflight before it must not
-        # pay for torch (a refusal is meant to take milliseconds).
-        from preload.daemon.stage import RankConfig
-
         opts = self.opts
-        placements = plan_local_ranks(opts.parallel)
-        digest, _source = expected_digest(opts)
-        port = opts.master_port or free_port()
-        slices = _cpu_slices(len(placements)) if opts.stage != "raw" else [None] * len(placements)
-        engine = {
-            **opts.engine, "tp_size": opts.parallel.tp_size, "pp_size": opts.parallel.pp_size,
-            "dp_size": opts.parallel.dp_size,
-        }
-        for p, cpus in zip(placements, slices, strict=True):
-            cfg = RankConfig(
-                checkpoint=opts.checkpoint, global_rank=p.global_rank, local_rank=p.local_rank,
-                tp_rank=p.tp_rank, pp_rank=p.pp_rank, dp_rank=p.dp_rank, stage=opts.stage,
-                transport=opts.transport, socket_root=opts.socket_root, expected_digest=digest,
-                unsafe_identity=opts.unsafe_identity, engine=engine,
-                distributed_init_method=f"tcp://127.0.0.1:{port}", cpus=cpus,
-            )
+        for p, cfg in rank_orders(opts):
             env = dict(os.environ)
-            if cpus:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+            if cfg.cpus:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cfg.cpus))
             self.procs.append((p, start_rank(cfg.to_json(), env=env)))
 
         def check_interrupted() -> None:

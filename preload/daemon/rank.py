@@ -28,10 +28,9 @@ from preload.identity.anchors import header_only_digest
 from preload.identity.manifest import load_manifest
 from preload.sockets import ensure_private_dir, socket_dir
 from preload.transports import get_transport
+from preload.trust import UNSAFE_IDENTITIES, require_unsafe_controls
 
 log = logging.getLogger("preload.daemon")
-
-UNSAFE_IDENTITIES = ("header_only",)
 
 
 def _fill(cfg: RankConfig, expected: str | None) -> Filled:
@@ -87,8 +86,6 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
     if cfg.unsafe_identity is not None:
         if cfg.unsafe_identity not in UNSAFE_IDENTITIES:
             raise PreloadGateError(f"unknown unsafe identity {cfg.unsafe_identity!r}")
-        from preload.trust import require_unsafe_controls
-
         require_unsafe_controls("--unsafe-identity")
         expected = header_only_digest(cfg.checkpoint)
         log.warning(

@@ -15,6 +15,7 @@ from typing import Any
 import psutil
 
 from pgbase.json_shape import convert
+from preload.daemon.settings import DaemonSettings
 from preload.identity.key import WeightCacheKey
 from preload.transports.base import Arena, Layout
 
@@ -44,22 +45,16 @@ class Filled:
 
 
 @dataclass
-class RankConfig:
-    """One rank's orders from the launcher, sent as JSON on the rank's stdin."""
+class RankConfig(DaemonSettings):
+    """One rank's orders from the launcher, sent as JSON on the rank's stdin:
+    the verb's daemon settings, the rank's place and the digest to prove."""
 
-    checkpoint: str
     global_rank: int = 0
     local_rank: int = 0
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
-    stage: str = "raw"
-    transport: str = "shm"
-    socket_root: str | None = None
     expected_digest: str | None = None
-    unsafe_identity: str | None = None
-    # Engine settings for the loaded/processed stages (tp/pp/dp sizes, dtype...).
-    engine: dict[str, Any] = field(default_factory=dict)
     distributed_init_method: str | None = None
     cpus: list[int] | None = None
 

@@ -35,12 +35,12 @@ from preload.hf_attach.ranks import (
     process_tp_rank,
 )
 from preload.identity.manifest import resolve_digest
+from preload.loader.options import MODES
 from preload.meta_model import build_meta_model
 from preload.sockets import socket_dir as digest_socket_dir
 from preload.transports.base import Attachment
 
 log = logging.getLogger("preload.hf_attach")  # the package's name, not this submodule's
-MODES = ("zero_copy", "copy")
 
 
 @dataclass

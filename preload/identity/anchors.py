@@ -38,10 +38,9 @@ from pgbase.errors import CheckpointError
 from pgbase.schemes import SAMPLE_BYTES, SCHEMES
 from pgbase.shards import INDEX_NAME, read_header, shard_paths
 from preload.identity.digest import content_digest
-from preload.identity.manifest import resolve_digest
+from preload.identity.manifest import MODES, resolve_digest
 
 HEADER_IMPLS = ("auto", "vllm", "reimpl")
-CONTENT_MODES = ("full", "stat", "pinned")
 
 
 @dataclass(frozen=True)
@@ -203,8 +202,8 @@ def content(
     workers: int | None = None,
 ) -> Fingerprint:
     """Our content digest, as a restarting engine would resolve it in ``mode``."""
-    if mode not in CONTENT_MODES:
-        raise ValueError(f"content mode {mode!r} is not one of {CONTENT_MODES}")
+    if mode not in MODES:
+        raise ValueError(f"content mode {mode!r} is not one of {', '.join(MODES)}")
     if mode == "full":
         return Fingerprint("content", content_digest(checkpoint, workers), "preload-gate content/full")
     res = resolve_digest(checkpoint, mode=mode, expected_digest=expected_digest, cache_dir=cache_dir)

@@ -54,7 +54,7 @@ from preload.identity.filestat import (
 )
 
 MANIFEST_VERSION = 2
-MODES = ("stat", "pinned", "full")
+MODES = ("stat", "pinned", "full")  # the restart check's modes, named once (loader, CLI, anchors)
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pgbase.errors import PreloadGateError
-from preload.trust import UNSAFE_CONTROLS_ENV, unsafe_controls_allowed
+from preload.identity.manifest import MODES as IDENTITIES
+from preload.trust import UNSAFE_CONTROLS_ENV, UNSAFE_IDENTITIES, unsafe_controls_allowed
 
 LOAD_FORMAT = "verified_cache"
+# How an engine holds attached tensors; preload.hf_attach takes the same two.
 MODES = ("zero_copy", "copy")
-IDENTITIES = ("stat", "pinned", "full")
 
 
 class LoaderConfigError(PreloadGateError):
@@ -72,8 +73,9 @@ class LoaderOptions:
             raise LoaderConfigError(
                 f"{LOAD_FORMAT} expected_digest must be 64 hex characters (the digest printed by "
                 f"preload-gate promote), got {opts.expected_digest[:80]!r}")
-        if opts.unsafe_identity not in (None, "header_only"):
-            raise LoaderConfigError(f"{LOAD_FORMAT} unsafe_identity must be 'header_only'")
+        if opts.unsafe_identity is not None and opts.unsafe_identity not in UNSAFE_IDENTITIES:
+            raise LoaderConfigError(f"{LOAD_FORMAT} unsafe_identity must be "
+                                    f"{' or '.join(map(repr, UNSAFE_IDENTITIES))}")
         for name, on in (("unsafe_identity", opts.unsafe_identity is not None),
                          ("unsafe_silent_fallback", opts.unsafe_silent_fallback)):
             if on and not unsafe_controls_allowed():

@@ -236,6 +236,24 @@ def test_switch_to_identical_base_requires_a_hit(tiny_ckpt, tmp_path, monkeypatc
     assert diff.result.expect == "miss" and diff.cached_spec.extra_config["fallback"] is True
 
 
+
+def test_a_promotion_cases_engines_run_in_the_deployments_settings():
+    """The engine keywords the gate and a target's runner both take from a
+    case: a catalogue row's are its settings; a promotion case adds the
+    deployment's, its context bounded where the deployment sets none."""
+    from harness.gate.cases import MAX_MODEL_LEN, promotion_case
+    from preload.deployment import DeploymentSettings
+
+    (row,) = select_cases("dtype_change")
+    assert row.engine_kwargs() == {"dtype": "float32", "tensor_parallel_size": 1, "data_parallel_size": 1}
+    d = DeploymentSettings(dtype="float16", tensor_parallel_size=2, pipeline_parallel_size=2, quantization="fp8",
+                           kv_cache_dtype="fp8")
+    assert promotion_case(GateOptions(candidate="/c", settings=d)).engine_kwargs() == {
+        "dtype": "float16", "tensor_parallel_size": 2, "data_parallel_size": 1, "pipeline_parallel_size": 2,
+        "quantization": "fp8", "kv_cache_dtype": "fp8", "max_model_len": MAX_MODEL_LEN}
+    d512 = DeploymentSettings(max_model_len=512)
+    assert promotion_case(GateOptions(candidate="/c", settings=d512)).engine_kwargs()["max_model_len"] == 512
+
 def test_reference_cache_refuses_a_loose_or_foreign_file(tmp_path):
     cache = ReferenceCache(tmp_path / "refs")
     cache.put("k", EngineResult(ok=True, token_ids=[[1]]))

@@ -21,7 +21,7 @@ import ast
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,37 +200,45 @@ def _synthetic(tmp_path: Path, files: Mapping[str, str]) -> list[Edge]:
     return import_graph(tmp_path, ("low", "high"))
 
 
-def test_the_checker_reports_an_upward_import_even_inside_a_function(tmp_path: Path) -> None:
-    edges = _synthetic(tmp_path, {
-        "low/__init__.py": "",
-        "low/a.py": "def f():\n    from high.b import thing\n",
-        "high/__init__.py": "",
-        "high/b.py": "from low import a\nthing = 1\n",
-    })
-    assert upward_imports(edges, (("low",), ("high",))) == [
-        "low.a:2 imports high.b (low is below high)",
-    ]
+def _upward(tiers: tuple[tuple[str, ...], ...]) -> Callable[[list[Edge]], list[str]]:
+    return lambda edges: upward_imports(edges, tiers)
+
+
+_UPWARD_IN_A_FUNCTION = {
+    "low/__init__.py": "",
+    "low/a.py": "def f():\n    from high.b import thing\n",
+    "high/__init__.py": "",
+    "high/b.py": "from low import a\nthing = 1\n",
+}
+
+# Each planted fault: the files, the checker, what it must report, and the
+# edit that makes its neighbour clean (the same checker then reports nothing).
+PLANTED = [
+    pytest.param(_UPWARD_IN_A_FUNCTION, _upward((("low",), ("high",))),
+                 ["low.a:2 imports high.b (low is below high)"],
+                 {"low/a.py": "def f():\n    return 1\n"}, id="upward-import-inside-a-function"),
     # Packages of one tier may not import each other either.
-    assert upward_imports(edges, (("low", "high"),)) == [
-        "high.b:1 imports low.a (high is beside low)",
-        "low.a:2 imports high.b (low is beside high)",
-    ]
-    # Its neighbour: the same graph without the lazy import is clean.
-    (tmp_path / "low/a.py").write_text("def f():\n    return 1\n")
-    assert upward_imports(import_graph(tmp_path, ("low", "high")), (("low",), ("high",))) == []
-
-
-def test_the_checker_reports_a_cycle_through_relative_imports(tmp_path: Path) -> None:
-    edges = _synthetic(tmp_path, {
+    pytest.param(_UPWARD_IN_A_FUNCTION, _upward((("low", "high"),)),
+                 ["high.b:1 imports low.a (high is beside low)", "low.a:2 imports high.b (low is beside high)"],
+                 {"low/a.py": "def f():\n    return 1\n", "high/b.py": "thing = 1\n"}, id="import-beside"),
+    pytest.param({
         "low/__init__.py": "",
         "low/a.py": "from .b import x\n",
         "low/b.py": "from . import c\nx = 1\n",
         "low/c.py": "def f():\n    import low.a\n",
         "high/__init__.py": "from low.a import x\n",
-    })
-    assert module_cycles(edges) == [["low.a", "low.b", "low.c", "low.a"]]
-    (tmp_path / "low/c.py").write_text("y = 2\n")
-    assert module_cycles(import_graph(tmp_path, ("low", "high"))) == []
+    }, module_cycles, [["low.a", "low.b", "low.c", "low.a"]], {"low/c.py": "y = 2\n"},
+        id="cycle-through-relative-imports"),
+]
+
+
+@pytest.mark.parametrize(("files", "check", "found", "fix"), PLANTED)
+def test_the_checker_reports_a_planted_fault_and_not_its_fixed_neighbour(
+    tmp_path: Path, files: Mapping[str, str], check: Callable[[list[Edge]], list],
+    found: list, fix: Mapping[str, str],
+) -> None:
+    assert check(_synthetic(tmp_path, files)) == found
+    assert check(_synthetic(tmp_path, fix)) == []
 
 
 # ------------------------------------------------------------------ the tree

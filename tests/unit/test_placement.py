@@ -69,3 +69,27 @@ def test_dry_run_prints_the_plan_and_loads_nothing(tmp_path):
     assert [(r["global_rank"], r["dp_rank"], r["tp_rank"]) for r in plan["ranks"]] == [(2, 1, 0), (3, 1, 1)]
     assert plan["stage"] == "loaded" and plan["transport"] == "shm" and plan["expected_digest"] is None
     assert not (tmp_path / "s").exists()  # nothing created
+
+
+def test_every_rank_gets_the_verbs_daemon_settings_as_they_are():
+    """The launcher's orders to each rank carry every daemon setting of the
+    ``preload`` verb unchanged (the engine's with the sizes added), beside the
+    rank's own place; a setting added to DaemonSettings needs a row here."""
+    from dataclasses import fields
+
+    from preload.daemon.launcher import PreloadOptions, rank_orders
+    from preload.daemon.settings import DaemonSettings
+
+    settings = {"checkpoint": "/models/m", "stage": "raw", "transport": "cuda", "socket_root": "/run/pg",
+                "unsafe_identity": "header_only", "engine": {"dtype": "float16"}}
+    assert set(settings) == {f.name for f in fields(DaemonSettings)}
+    opts = PreloadOptions(**settings, parallel=Parallelism(tp_size=2), identity="pinned",
+                          expect_digest="AB" * 32, master_port=29500)
+    orders = rank_orders(opts)
+    assert [(p.global_rank, cfg.global_rank, cfg.tp_rank) for p, cfg in orders] == [(0, 0, 0), (1, 1, 1)]
+    for _, cfg in orders:
+        assert {k: getattr(cfg, k) for k in settings} == {**settings, "engine": {
+            "dtype": "float16", "tp_size": 2, "pp_size": 1, "dp_size": 1}}
+        assert cfg.expected_digest == "ab" * 32
+        assert cfg.distributed_init_method == "tcp://127.0.0.1:29500"
+        assert cfg.cpus is None  # the raw stage binds no cores

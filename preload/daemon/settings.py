@@ -1,0 +1,29 @@
+"""What a daemon serves and how, declared once.
+
+The ``preload`` verb's options (:class:`preload.daemon.launcher.PreloadOptions`)
+and each rank's orders (:class:`preload.daemon.stage.RankConfig`) both carry
+these fields, and the launcher hands them on as they are, so a setting added
+here reaches every rank without a second list to keep in step. No torch: the
+launcher imports this before its preflight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class DaemonSettings:
+    checkpoint: str
+    stage: str = "raw"
+    transport: str = "shm"
+    socket_root: str | None = None
+    unsafe_identity: str | None = None
+    # Engine settings for the loaded/processed stages (dtype, max_model_len...);
+    # a rank's also carry the tp/pp/dp sizes.
+    engine: dict[str, Any] = field(default_factory=dict)
+
+    def daemon_settings(self, **changes: Any) -> dict[str, Any]:
+        """These fields by name, with ``changes`` (a subclass's own fields left out)."""
+        return {**{f.name: getattr(self, f.name) for f in fields(DaemonSettings)}, **changes}
