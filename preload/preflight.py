@@ -130,12 +130,34 @@ def check_port(host: str, port: int) -> None:
         s.close()
 
 
+def check_cache_root(cache_dir: str | os.PathLike[str] | None) -> None:
+    """The cache dir (``None``: ``$PRELOAD_GATE_CACHE``, else the default one),
+    where it exists, is ours, not writable by others (:func:`trust.verify_cache_root`)
+    and readable by us: an unreadable one would look empty, so ``preload``
+    would serve with no manifest and ``status`` miss its registry. ``preload``,
+    ``status`` and ``promote`` ask this before anything else reads it."""
+    from preload.identity.manifest import default_cache_dir
+
+    base = Path(cache_dir) if cache_dir else default_cache_dir()
+    if not os.path.lexists(base):
+        return
+    try:
+        trust.verify_cache_root(base)
+    except trust.UntrustedPathError as exc:
+        raise PreflightError(str(exc)) from exc
+    if not os.access(base, os.R_OK | os.X_OK):
+        raise PreflightError(f"cache dir {base} is not readable (mode {stat.S_IMODE(os.lstat(base).st_mode):04o}); "
+                             f"run: chmod u+rwx {base}")
+
+
 def check_cache_dir(cache_dir: str | os.PathLike[str] | None, checkpoint: str | os.PathLike[str] | None = None,
                     write: bool = True) -> None:
-    """The manifest directory can be written (or created) and, where it or the
-    checkpoint's manifest exists, is trusted."""
+    """The cache dir is trusted (:func:`check_cache_root`), the manifest
+    directory can be written (or created) and, where it or the checkpoint's
+    manifest exists, is trusted."""
     from preload.identity.manifest import default_cache_dir, manifest_path
 
+    check_cache_root(cache_dir)
     base = Path(cache_dir) if cache_dir else default_cache_dir()
     mdir = base / "manifests"
     try:
@@ -276,8 +298,8 @@ def preflight_promote(checkpoint: str | os.PathLike[str], socket_root: str | os.
 
 
 __all__ = [
-    "AF_UNIX_MAX", "VLLM_DTYPES", "PreflightError", "check_cache_dir", "check_checkpoint", "check_cuda",
-    "check_dtype", "check_engine_choices", "check_output_dir", "check_pipeline_parallel", "check_port",
+    "AF_UNIX_MAX", "VLLM_DTYPES", "PreflightError", "check_cache_dir", "check_cache_root", "check_checkpoint",
+    "check_cuda", "check_dtype", "check_engine_choices", "check_output_dir", "check_pipeline_parallel", "check_port",
     "check_rank_locks", "check_socket_root", "check_tensor_parallel", "model_heads", "preflight_daemon",
     "preflight_promote", "socket_path_problem",
 ]

@@ -48,7 +48,7 @@ def require_unsafe_controls(what: str) -> None:
         )
 
 
-def _check(path: Path, info: os.stat_result, what: str, want_dir: bool) -> None:
+def _check(path: Path, info: os.stat_result, what: str, want_dir: bool, mask: int = 0o077) -> None:
     if stat.S_ISLNK(info.st_mode):
         raise UntrustedPathError(f"refusing symlinked {what} {path}; replace it with a real "
                                  f"{'directory' if want_dir else 'file'}")
@@ -61,10 +61,11 @@ def _check(path: Path, info: os.stat_result, what: str, want_dir: bool) -> None:
             f"{what} {path} is owned by uid {info.st_uid}, not {os.getuid()}; remove it or use "
             f"a directory of your own"
         )
-    if info.st_mode & 0o077:
-        want = "700" if want_dir else "600"
+    if info.st_mode & mask:
+        want = ("700" if want_dir else "600") if mask == 0o077 else "go-w"
+        kind = "accessible" if mask == 0o077 else "writable"
         raise UntrustedPathError(
-            f"{what} {path} is group/world accessible (mode {stat.S_IMODE(info.st_mode):04o}); "
+            f"{what} {path} is group/world {kind} (mode {stat.S_IMODE(info.st_mode):04o}); "
             f"run: chmod {want} {path}"
         )
 
@@ -77,6 +78,20 @@ def verify_private_dir(directory: str | os.PathLike[str], what: str = "directory
     except FileNotFoundError as exc:
         raise UntrustedPathError(f"{what} {p} does not exist") from exc
     _check(p, info, what, want_dir=True)
+
+
+def verify_cache_root(directory: str | os.PathLike[str], what: str = "cache dir") -> None:
+    """The cache dir (``manifests/`` and ``daemons/`` below it): a real
+    directory, owned by us, that no group or other user can write. Unlike the
+    private rule it may be readable (0755, as ``promote`` has always made it):
+    whoever can write it can rename what is below, while every entry below is
+    held to the private rule on its own."""
+    p = Path(directory)
+    try:
+        info = os.lstat(p)
+    except FileNotFoundError as exc:
+        raise UntrustedPathError(f"{what} {p} does not exist") from exc
+    _check(p, info, what, want_dir=True, mask=0o022)
 
 
 def verify_private_file(path: str | os.PathLike[str], what: str = "file") -> None:

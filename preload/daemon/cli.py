@@ -184,9 +184,11 @@ def _roots(args: argparse.Namespace) -> tuple[list[Path], list[dict[str, str]]]:
 
 def _status(args: argparse.Namespace) -> int:
     from preload.daemon.registry import registry_dir
+    from preload.preflight import check_cache_root
     from preload.sockets import default_socket_root, legacy_socket_roots
 
     _use_cache_dir(args)
+    check_cache_root(None)  # an unreadable one would hide its registry: refused, as preload and promote do
     roots, refused = _roots(args)
     ranks = [r for root in roots for r in scan(root)]
     # Daemons of older releases (or another session's $TMPDIR) live elsewhere: name them.

@@ -37,7 +37,7 @@ from preload.daemon.parent import ParentWatch
 from preload.daemon.placement import Parallelism, Placement, plan_local_ranks
 from preload.daemon.ready import RANK_READY, NotReadyError, ReadyLines, start_rank
 from preload.daemon.settings import DaemonSettings
-from preload.identity.manifest import load_manifest
+from preload.identity.manifest import check_fresh, load_manifest
 from preload.sockets import socket_dir
 from preload.trust import require_unsafe_controls
 
@@ -84,6 +84,12 @@ def expected_digest(opts: PreloadOptions) -> tuple[str | None, str]:
     if opts.identity == "stat":
         manifest = load_manifest(opts.checkpoint)
         if manifest is not None:
+            if opts.unsafe_identity is None:  # (the negative control serves under vLLM's hash instead)
+                # The engine's own stat check, before a rank reads a byte: engines
+                # would miss on a stale manifest, so the daemon refuses to start on
+                # one with the line they would log. It proves every byte it serves,
+                # so on tmpfs (stat-blind) it still compares the stats.
+                check_fresh(opts.checkpoint, manifest, stat_blind_ok=True)
             return manifest.digest, "manifest"
     return None, "none"
 
@@ -203,14 +209,16 @@ class Launcher:
 
 def preflight(opts: PreloadOptions) -> None:
     """Every check that needs no weights, before a rank reads a byte
-    (:mod:`preload.preflight`): the checkpoint, ``--dtype``, the
-    tensor-parallel size against the model's heads, the socket root and path
-    lengths, the rank locks, the health port, the unsafe-control switch.
+    (:mod:`preload.preflight`): the unsafe-control switch, the cache dir's
+    trust, the manifest's freshness (the restart stat check), the checkpoint,
+    ``--dtype``, the tensor-parallel size against the model's heads, the
+    socket root and path lengths, the rank locks, the health port.
     ``preload --dry-run`` runs the same checks."""
-    from preload.preflight import preflight_daemon
+    from preload.preflight import check_cache_root, preflight_daemon
 
     if opts.unsafe_identity is not None:
         require_unsafe_controls("--unsafe-identity")
+    check_cache_root(None)  # before a manifest is looked for in it
     digest, _source = expected_digest(opts)
     ranks = [p.global_rank for p in plan_local_ranks(opts.parallel)]
     preflight_daemon(opts.checkpoint, opts.socket_root, ranks, digest, opts.health_host, opts.health_port,

@@ -96,7 +96,7 @@ def register(socket_root: str | os.PathLike[str], digest: str,
     d = registry_dir(cache_dir)
     path = d / f"{os.getpid()}.json"
     try:
-        d.parent.mkdir(parents=True, exist_ok=True)
+        d.parent.mkdir(0o700, parents=True, exist_ok=True)  # cache dir 0700: umask 002 made 0775
         trust.ensure_private_dir(d, "daemon registry")
         atomic.write_json(path, {"socket_root": root, "pid": os.getpid(), "start_ticks": start_ticks(os.getpid()),
                                   "digest": digest}, mode=0o600)

@@ -17,6 +17,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from preload.identity import stat_pool, uring
 from preload.identity.stat_pool import (
@@ -91,6 +92,53 @@ class FileStat:
     def of(cls, path: str | os.PathLike[str]) -> FileStat:
         st = os.stat(path)
         return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+    def changed_fields(self, other: FileStat) -> str:
+        """The fields that differ from ``other``, for a message: ``"mtime_ns, ctime_ns"``."""
+        return ", ".join(f for f in ("size", "mtime_ns", "ctime_ns", "ino", "dev")
+                         if getattr(self, f) != getattr(other, f))
+
+
+def subdir_stats(checkpoint: str | os.PathLike[str]) -> dict[str, FileStat]:
+    """The stat of every folder below ``checkpoint`` (hidden ones too, links
+    not followed), keyed by relative POSIX path; see ``Manifest.subdir_stats``."""
+    root = Path(checkpoint)
+    out: dict[str, FileStat] = {}
+    for top, dirs, _ in os.walk(root, followlinks=False):
+        for d in dirs:
+            p = Path(top, d)
+            if not p.is_symlink():
+                out[p.relative_to(root).as_posix()] = FileStat.of(p)
+    return out
+
+
+# Every name vLLM's _prepare_weights globs for (pgbase.fileset: *.safetensors,
+# *.bin, then *.pt): a new one of these may change the file set it reads.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+
+
+def entry_changes(directory: str | os.PathLike[str], recorded: Sequence[str],
+                  stats: Sequence[FileStat | OSError]) -> str:
+    """What changed among the entries of ``directory`` since the ``recorded``
+    shard names were promoted, for the stale-manifest message: the recorded
+    shards that are gone (their ``stats``, just taken, failed with ENOENT) and
+    the weight files that are new (one listing: only asked once the directory's
+    own stat has changed, so an unchanged checkpoint never pays for it).
+    ``""`` when neither is seen (a tokenizer file added, say).
+
+    >>> entry_changes("/nonexistent", ["a.safetensors"], [FileNotFoundError()])
+    'missing a.safetensors'
+    """
+    missing = [n for n, st in zip(recorded, stats, strict=True)
+               if isinstance(st, FileNotFoundError)]
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        names = []
+    known = set(recorded)
+    added = sorted((n for n in names if n.endswith(_WEIGHT_SUFFIXES) and n not in known), key=str.encode)
+    parts = ([f"missing {', '.join(missing)}"] if missing else []) + ([f"new {', '.join(added)}"] if added else [])
+    return "; ".join(parts)
 
 
 def filesystem_type(path: str | os.PathLike[str]) -> str:
@@ -211,6 +259,6 @@ def _stat_all_pooled(paths: Sequence[str | os.PathLike[str]]) -> list[FileStat |
 
 __all__ = [
     "MAX_STATS_IN_FLIGHT", "STAT_BACKEND_ENV", "STAT_BLIND_FILESYSTEMS", "STAT_WORKERS_ENV", "FileStat",
-    "filesystem_type", "filesystem_type_of_dev", "prestart_stat_workers", "prestart_stats", "start_stat_workers",
-    "stat_all", "stat_backend", "stat_workers_wanted", "stop_stat_workers",
+    "entry_changes", "filesystem_type", "filesystem_type_of_dev", "prestart_stat_workers", "prestart_stats",
+    "start_stat_workers", "stat_all", "stat_backend", "stat_workers_wanted", "stop_stat_workers", "subdir_stats",
 ]

@@ -17,7 +17,8 @@ At restart the digest is resolved in one of three modes:
   an engine never re-hashes the checkpoint or rewrites the manifest, since
   re-promotion is an operator's act. The directory's own stat changes when
   a file is added, removed or renamed, which is how a change of vLLM's file
-  set (a new ``consolidated.safetensors``) is seen without listing it.
+  set (a new ``consolidated.safetensors``) is seen without listing it (only
+  a changed directory is listed, to name its missing and new shard files).
   ``ctime`` cannot be set from user space, so an edit that restores
   ``mtime`` is seen.
 - ``pinned``: the operator passes the digest printed at promotion; no
@@ -49,8 +50,10 @@ from preload.identity.digest import checkpoint_digest, content_digest, hash_shar
 from preload.identity.filestat import (
     STAT_BLIND_FILESYSTEMS,
     FileStat,
+    entry_changes,
     filesystem_type_of_dev,
     stat_all,
+    subdir_stats,
 )
 
 MANIFEST_VERSION = 2
@@ -219,19 +222,6 @@ def build_manifest(
     )
 
 
-def subdir_stats(checkpoint: str | os.PathLike[str]) -> dict[str, FileStat]:
-    """The stat of every folder below ``checkpoint`` (hidden ones too, links
-    not followed), keyed by relative POSIX path; see ``Manifest.subdir_stats``."""
-    root = Path(checkpoint)
-    out: dict[str, FileStat] = {}
-    for top, dirs, _ in os.walk(root, followlinks=False):
-        for d in dirs:
-            p = Path(top, d)
-            if not p.is_symlink():
-                out[p.relative_to(root).as_posix()] = FileStat.of(p)
-    return out
-
-
 def write_manifest(manifest: Manifest, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     path = manifest_path(manifest.checkpoint, cache_dir)
     prepare_manifest_dir(path.parent)
@@ -243,7 +233,7 @@ def prepare_manifest_dir(directory: Path) -> None:
     """The manifests directory exists, is ours and is 0700 (manifests decide
     which daemon an engine trusts: :mod:`preload.trust`)."""
     try:
-        directory.parent.mkdir(parents=True, exist_ok=True)
+        directory.parent.mkdir(0o700, parents=True, exist_ok=True)  # cache dir 0700: umask 002 made 0775
         os.mkdir(directory, 0o700)
     except FileExistsError:
         pass
@@ -295,9 +285,10 @@ class Resolution:
 class StaleManifestError(ManifestError):
     """The promotion manifest is missing or no longer describes the checkpoint.
 
-    ``shard`` names the file that changed (None: the manifest is missing or the
-    directory's entries changed). Never repaired by an engine: re-promotion is
-    an operator's act, so the message carries the command.
+    ``shard`` names the file that changed or went missing (None: the manifest
+    is missing, or entries other than its shards changed). Never repaired by
+    an engine: re-promotion is an operator's act, so the message carries the
+    command.
     """
 
     def __init__(self, message: str, shard: str | None = None) -> None:
@@ -305,15 +296,18 @@ class StaleManifestError(ManifestError):
         super().__init__(message)
 
 
-def stale_reason(checkpoint: str | os.PathLike[str], manifest: Manifest) -> tuple[str, str | None] | None:
+def stale_reason(checkpoint: str | os.PathLike[str], manifest: Manifest,
+                 stat_blind_ok: bool = False) -> tuple[str, str | None] | None:
     """Why ``manifest`` no longer describes the checkpoint, as ``(reason,
     shard)``, or None if it does.
 
     One concurrent round of stats (directory, every folder below it, index,
-    every shard); no checkpoint file is opened and nothing is listed. The
-    filesystem type of the directory's device comes from
-    /proc/self/mountinfo: on a stat-blind one
-    (``STAT_BLIND_FILESYSTEMS``) the manifest cannot be trusted by stats.
+    every shard); no checkpoint file is opened, and only a changed directory
+    is listed (to name its missing and new shard files). The filesystem type
+    of the directory's device comes from /proc/self/mountinfo: on a
+    stat-blind one (``STAT_BLIND_FILESYSTEMS``) the manifest cannot be
+    trusted by stats, unless ``stat_blind_ok`` (the daemon, which proves
+    every byte it serves, compares the stats anyway).
     """
     ckpt = Path(checkpoint)
     if manifest.dir_stat is None:
@@ -328,37 +322,53 @@ def stale_reason(checkpoint: str | os.PathLike[str], manifest: Manifest) -> tupl
     targets = ([base, join(base, manifest.index_file)] + [join(base, r.name) for r in manifest.shards]
                + [join(base, d) for d in subdirs])
     now = stat_all(targets)
-    fields = ("size", "mtime_ns", "ctime_ns", "ino", "dev")
-
-    def diff(a: FileStat, b: FileStat) -> str:
-        return ", ".join(f for f in fields if getattr(a, f) != getattr(b, f))
-
     d = now[0]
     if isinstance(d, OSError):
         return f"cannot stat the checkpoint directory: {d}", None
     # Asked of the stat just taken (its device), so it costs no round trip.
     fstype = filesystem_type_of_dev(d.dev)
-    if fstype in STAT_BLIND_FILESYSTEMS:
+    if fstype in STAT_BLIND_FILESYSTEMS and not stat_blind_ok:
         return (f"the checkpoint is on {fstype}, where a write through mmap changes no stat field, so stats "
                 "cannot prove the bytes are the promoted ones; use identity 'pinned' (expected_digest from "
                 "promote) or 'full'"), None
+    shard_stats = now[2:2 + n_shards]
     if d != manifest.dir_stat:
-        return (f"files were added, removed or renamed in the checkpoint directory ({diff(d, manifest.dir_stat)}), "
-                "so vLLM's file set may differ"), None
+        names = [r.name for r in manifest.shards]
+        changes = entry_changes(base, names, shard_stats)
+        gone = next((n for n, st in zip(names, shard_stats, strict=True) if isinstance(st, OSError)), None)
+        return (f"files were added, removed or renamed in the checkpoint directory "
+                f"({changes or d.changed_fields(manifest.dir_stat)}), so vLLM's file set may differ"), gone
     idx = now[1]
     idx_now = None if isinstance(idx, OSError) else idx
     if idx_now != manifest.index_stat:
         return f"{manifest.index_file} changed", manifest.index_file
-    for rec, st in zip(manifest.shards, now[2:2 + n_shards], strict=True):
+    for rec, st in zip(manifest.shards, shard_stats, strict=True):
         if isinstance(st, OSError):
             return f"{rec.name} is missing ({st})", rec.name
         if st != rec.stat:
-            return f"{rec.name} changed ({diff(st, rec.stat)})", rec.name
+            return f"{rec.name} changed ({st.changed_fields(rec.stat)})", rec.name
     for sub, st in zip(subdirs, now[2 + n_shards:], strict=True):
         if isinstance(st, OSError) or st != manifest.subdir_stats[sub]:
             return (f"files were added, removed or renamed under {sub}/, so vLLM's file set may differ "
                     "(a consolidated*.safetensors at any depth switches it)"), None
     return None
+
+
+def check_fresh(checkpoint: str | os.PathLike[str], manifest: Manifest | None,
+                cache_dir: str | os.PathLike[str] | None = None, stat_blind_ok: bool = False) -> Manifest:
+    """``manifest`` if it still describes ``checkpoint`` (:func:`stale_reason`),
+    else the :class:`StaleManifestError` an engine's ``stat`` check raises; the
+    one message both the engine and ``preload`` (and its ``--dry-run``) print."""
+    if manifest is None:
+        raise StaleManifestError(
+            f"no promotion manifest for {checkpoint} (looked for {manifest_path(checkpoint, cache_dir)}); "
+            f"run: {promote_command(checkpoint, cache_dir)}")
+    found = stale_reason(checkpoint, manifest, stat_blind_ok)
+    if found is not None:
+        raise StaleManifestError(
+            f"the promotion manifest for {checkpoint} is stale: {found[0]}; engines do not re-hash: "
+            f"run: {promote_command(checkpoint, cache_dir)}", found[1])
+    return manifest
 
 
 def resolve_digest(
@@ -382,19 +392,6 @@ def resolve_digest(
             raise ManifestError("identity mode 'pinned' needs expected_digest (64 hex chars from promote)")
         return Resolution(expected_digest.lower(), mode, "pinned")
     if mode == "stat":
-        manifest = load_manifest(checkpoint, cache_dir)
-        if manifest is None:
-            raise StaleManifestError(
-                f"no promotion manifest for {checkpoint} (looked for {manifest_path(checkpoint, cache_dir)}); "
-                f"run: {promote_command(checkpoint, cache_dir)}"
-            )
-        found = stale_reason(checkpoint, manifest)
-        if found is not None:
-            reason, shard = found
-            raise StaleManifestError(
-                f"the promotion manifest for {checkpoint} is stale: {reason}; engines do not re-hash: "
-                f"run: {promote_command(checkpoint, cache_dir)}",
-                shard,
-            )
+        manifest = check_fresh(checkpoint, load_manifest(checkpoint, cache_dir), cache_dir)
         return Resolution(manifest.digest, mode, "manifest")
     return Resolution(content_digest(checkpoint), mode, "rehashed")

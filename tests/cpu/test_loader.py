@@ -146,12 +146,14 @@ def test_loaded_daemon_refuses_bytes_that_changed_since_promotion(env, tmp_path)
     ckpt = copy_checkpoint(env["ckpt"], tmp_path / "ckpt")
     root = short_dir("pg-l2-")
     try:
-        promote(ckpt, socket_root=root, cache_dir=env["cache"])
+        digest = promote(ckpt, socket_root=root, cache_dir=env["cache"]).digest
         shard = shard_paths(ckpt)[0]
         data = bytearray(shard.read_bytes())
         data[-5] ^= 0x10
         shard.write_bytes(bytes(data))
-        d = Daemon(ckpt, root, env["cache"], ("--stage", "loaded")).start(timeout=300, expect_ready=False)
+        # Pinned: without it the stale manifest (the write changed the stat) is refused before any read.
+        d = Daemon(ckpt, root, env["cache"], ("--stage", "loaded", "--expect-digest", digest)).start(
+            timeout=300, expect_ready=False)
         assert d.proc.returncode == 2
         assert f"differs from the manifest: {shard.name}" in d.output
         assert not list(Path(root).glob("*/*.sock"))

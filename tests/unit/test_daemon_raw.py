@@ -280,7 +280,12 @@ def test_refuses_bytes_that_do_not_hash_to_the_promoted_digest(tiny_ckpt, tmp_pa
     data[-3] ^= 0xFF  # one byte of the last tensor: the header is untouched
     shard.write_bytes(bytes(data))
     try:
-        d = spawn(Daemon(ckpt, root, cache)).start(expect_ready=False)
+        # The write changed the shard's stat: the manifest is stale, refused before a byte is read.
+        stale = spawn(Daemon(ckpt, root, cache)).start(expect_ready=False)
+        assert stale.proc.returncode == 2 and f"is stale: {shard.name} changed" in stale.output
+        # Pinned to the promoted digest (no stat check), the bytes themselves are refused.
+        d = spawn(Daemon(ckpt, root, cache, ("--stage", "raw", "--expect-digest", promoted.digest)))
+        d.start(expect_ready=False)
         assert d.proc.returncode == 2
         assert "refusing to serve" in d.output and f"differs from the manifest: {shard.name}" in d.output
         assert not promoted.socket_dir.exists()  # no socket, no lock: nothing left (the empty dir too)

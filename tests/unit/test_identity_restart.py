@@ -2,8 +2,9 @@
 
 - An unchanged manifest resolves with stats only (no open, no read).
 - A stale manifest (an edit whose mtime was restored; a new
-  ``consolidated.safetensors`` that switches vLLM's file set) or a missing
-  one is a StaleManifestError naming the shard and ``preload-gate promote``;
+  ``consolidated.safetensors`` that switches vLLM's file set; a shard
+  removed or renamed) or a missing one is a StaleManifestError naming the
+  shard (missing and new ones too) and ``preload-gate promote``;
   the checkpoint is not opened (the shim counts opens and reads) and the
   manifest's bytes are unchanged (nothing re-hashed, nothing rewritten).
 - Stats are issued concurrently: a barrier that every stat must reach
@@ -112,7 +113,25 @@ def test_a_new_consolidated_file_is_seen_by_the_directory_stat(promoted):
     save_file({"w": np.zeros(2, dtype=np.float32)}, str(ckpt / "consolidated.safetensors"))
     err, counts, before, after = _stale(ckpt, cache)
     assert "added, removed or renamed" in str(err) and err.shard is None
+    assert "new consolidated.safetensors" in str(err)  # named, from one listing of the changed directory
     assert counts.opens == 0 and after == before
+
+
+def test_a_removed_or_renamed_shard_is_named(promoted):
+    """A shard removed after promotion changes the directory's stat first:
+    the message names the missing shard (and a new one, for a rename), not
+    only "a directory change" (new-user F6)."""
+    ckpt, cache, p = promoted
+    gone, other = p.manifest.shards[1].name, p.manifest.shards[0].name
+    (ckpt / gone).unlink()
+    err, counts, before, after = _stale(ckpt, cache)
+    assert f"missing {gone}" in str(err) and err.shard == gone and other not in str(err)
+    assert "new " not in str(err) and counts.opens == 0 and after == before
+    # Renamed: the old name is missing, the new file is named too (one listing, no open).
+    (ckpt / other).rename(ckpt / "model-renamed.safetensors")
+    err, counts, _, _ = _stale(ckpt, cache)
+    assert f"(missing {other}, {gone}; new model-renamed.safetensors)" in str(err) and counts.opens == 0
+    assert len(str(err).splitlines()) == 1 and f"run: preload-gate promote {ckpt}" in str(err)
 
 
 def test_a_consolidated_file_in_an_existing_subfolder_is_seen(promoted):
