@@ -55,7 +55,9 @@ def _engine(model: Path, workdir: Path, env: dict[str, str], load_format: str = 
 
 class _Daemon:
     def __init__(self, ckpt: Path, root: Path, env: dict[str, str], *args: str) -> None:
-        self.proc = start_preload([str(ckpt), "--socket-root", str(root), *args], env=env, stderr=subprocess.DEVNULL)
+        # exit_with_parent: a bench killed by SIGKILL leaves no resident daemon behind.
+        self.proc = start_preload([str(ckpt), "--socket-root", str(root), *args], env=env, stderr=subprocess.DEVNULL,
+                                  exit_with_parent=True)
         try:
             self.ready = wait_ready(self.proc, READY, timeout_s=None)
         except NotReadyError as exc:

@@ -24,7 +24,7 @@ from preload.daemon.ready import READY, NotReadyError, start_preload, wait_ready
 
 def _start_daemon(ckpt: Path, root: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     proc = start_preload([str(ckpt), "--stage", "raw", "--transport", "cuda", "--identity", "full",
-                          "--socket-root", str(root)])
+                          "--socket-root", str(root)], exit_with_parent=True)  # a killed bench leaves none
     try:
         return proc, wait_ready(proc, READY, timeout_s=None)
     except NotReadyError as exc:
