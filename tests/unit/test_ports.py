@@ -36,21 +36,27 @@ def test_control_a_kernel_assigned_port_is_inside_it() -> None:
         assert low <= s.getsockname()[1] <= high
 
 
+def _offer_first(monkeypatch, taken: int) -> list[int]:
+    """Candidates become [10000, taken]: ``taken`` is offered first (each time
+    the list of offers is empty), then random others; returns that list."""
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (taken + 1, 65535))
+    offered: list[int] = []
+    real = ports.secrets.randbelow
+
+    def draw(n: int) -> int:
+        k = taken - 10000 if not offered else real(n)
+        offered.append(10000 + k)
+        return k
+
+    monkeypatch.setattr(ports.secrets, "randbelow", draw)
+    return offered
+
+
 def test_a_taken_port_is_never_returned(monkeypatch) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]
-        monkeypatch.setattr(ports, "ephemeral_range", lambda: (taken + 1, 65535))
-        # Candidates are [10000, taken]: the taken one is offered first, then others.
-        offered: list[int] = []
-        real = ports.secrets.randbelow
-
-        def draw(n: int) -> int:
-            k = taken - 10000 if not offered else real(n)
-            offered.append(10000 + k)
-            return k
-
-        monkeypatch.setattr(ports.secrets, "randbelow", draw)
+        offered = _offer_first(monkeypatch, taken)
         port = ports.free_port()
     assert offered[0] == taken and len(offered) >= 2
     assert port != taken and port == offered[-1]
@@ -92,16 +98,7 @@ def test_a_port_taken_on_ipv6_is_never_returned_for_ipv6(monkeypatch) -> None:
     with socket.socket(socket.AF_INET6) as held:
         held.bind(("::1", 0))
         taken = held.getsockname()[1]
-        monkeypatch.setattr(ports, "ephemeral_range", lambda: (taken + 1, 65535))
-        offered: list[int] = []
-        real = ports.secrets.randbelow
-
-        def draw(n: int) -> int:
-            k = taken - 10000 if not offered else real(n)
-            offered.append(10000 + k)
-            return k
-
-        monkeypatch.setattr(ports.secrets, "randbelow", draw)
+        offered = _offer_first(monkeypatch, taken)
         port = ports.free_port("::1")
         assert offered[0] == taken and port != taken
         offered.clear()
