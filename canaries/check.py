@@ -30,7 +30,7 @@ from canaries.claims import Claim
 from canaries.compare import DEFAULT_TOLERANCE
 from canaries.errors import GoldenRefusedError
 from canaries.golden import Golden
-from canaries.replica import Replica, ReplicaResult
+from canaries.replica import ANSWER_MISMATCH, CANNOT_JUDGE, Replica, ReplicaResult
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RETRIES = 2
@@ -51,12 +51,18 @@ class CheckReport:
         """True only when there is at least one replica and every one matched."""
         return bool(self.results) and all(r.ok for r in self.results)
 
+    @property
+    def judged(self) -> bool:
+        """False when some replica's answers could not be judged (``cannot_judge``)."""
+        return not any(r.reason == CANNOT_JUDGE for r in self.results)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
             "golden_digest": self.golden_digest,
             "tolerance": self.tolerance,
-            "replicas": [asdict(r) for r in self.results],
+            "judged": self.judged,
+            "replicas": [{**asdict(r), "verdict": r.verdict} for r in self.results],
         }
 
 
@@ -75,7 +81,9 @@ async def check_async(
 ) -> CheckReport:
     """Ask every replica the golden prompts and compare; ``report.ok`` only if all match.
 
-    ``timeout`` bounds one attempt (model discovery, version, completion);
+    Answers that differ from a golden recorded before goldens were keyed by
+    config.json (no ``config_digest``) are ``cannot_judge``, not a failure
+    (``report.judged`` is False). ``timeout`` bounds one attempt (model discovery, version, completion);
     failures that may pass (unreachable, timed out, 5xx) are retried up to
     ``retries`` times. ``expect_digest`` or per-replica ``claims`` make the
     check refuse (``GoldenRefusedError``) a golden recorded for other content
@@ -94,6 +102,13 @@ async def check_async(
         c = replica_claims.get(r.base_url)
         if c is not None:
             r.claim = {"digest": c.digest, "source": c.source}
+        if r.reason in ANSWER_MISMATCH and golden.config_digest is None:
+            # Nothing in the golden shows it describes the config.json the
+            # replica serves: a config-only fix (RoPE) would look exactly
+            # like wrong weights (r02). Only differing answers are affected;
+            # an unreachable replica or a version mismatch fails regardless.
+            r.reason = CANNOT_JUDGE
+            r.detail = f"cannot judge ({r.detail}): the golden records no config_digest"
     return CheckReport(golden.digest, tolerance, list(results))
 
 

@@ -145,7 +145,6 @@ def _check(args: argparse.Namespace) -> int:
 
     try:
         from canaries.check import check
-        from canaries.replica import ANSWER_MISMATCH
     except ModuleNotFoundError as exc:
         if exc.name != "openai":
             raise
@@ -186,13 +185,14 @@ def _check(args: argparse.Namespace) -> int:
             print(r.line())
         n_ok = sum(r.ok for r in report.results)
         n_tie = sum(r.reason == "near_tie" for r in report.results)
+        n_unjudged = sum(r.verdict == "CANNOT-JUDGE" for r in report.results)
         print(f"{n_ok}/{len(report.results)} replicas match golden {golden.digest[:16]} "
-              f"(vLLM {golden.vllm_version})" + (f", {n_tie} with near-ties only" if n_tie else ""), file=sys.stdout)
-    # Only differing answers are what an unkeyed golden cannot judge; an
-    # unreachable replica, a version or a digest-claim mismatch is a failure
-    # of its own whatever the golden records.
-    answers_differ = any(r.reason in ANSWER_MISMATCH for r in report.results)
-    if answers_differ and golden.config_digest is None:
+              f"(vLLM {golden.vllm_version})" + (f", {n_tie} with near-ties only" if n_tie else "")
+              + (f", {n_unjudged} could not be judged" if n_unjudged else ""), file=sys.stdout)
+    # Only differing answers are what an unkeyed golden cannot judge (the
+    # check marks them); an unreachable replica, a version or a digest-claim
+    # mismatch is a failure of its own whatever the golden records.
+    if not report.judged:
         from canaries.fit import UnkeyedGoldenError
 
         raise UnkeyedGoldenError(["config_digest"])

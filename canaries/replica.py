@@ -31,6 +31,11 @@ _BACKOFF_S = 0.5
 # The reasons that mean the replica answered and its answers differ from the
 # golden's (as opposed to a replica that could not be asked or judged).
 ANSWER_MISMATCH = frozenset({"token_mismatch", "logprob_drift"})
+# Differing answers against a golden that cannot show it describes what the
+# replica serves (no config digest: r02): neither a pass nor a failure.
+CANNOT_JUDGE = "cannot_judge"
+# The word each result is printed with: PASS, NEAR-TIE, FAIL or CANNOT-JUDGE.
+VERDICTS = ("PASS", "NEAR-TIE", "FAIL", "CANNOT-JUDGE")
 
 
 @dataclass
@@ -41,7 +46,9 @@ class ReplicaResult:
     golden recorded within the tolerance swapped: ``near_ties`` names each),
     ``token_mismatch``, ``logprob_drift``,
     ``unreachable``, ``timeout``, ``http_error``, ``malformed``,
-    ``no_model``, ``version_mismatch``, ``error`` (anything else, named).
+    ``no_model``, ``version_mismatch``, ``error`` (anything else, named),
+    ``cannot_judge`` (answers differ from a golden that cannot tell a config
+    change from wrong weights: :data:`CANNOT_JUDGE`).
     """
 
     base_url: str
@@ -59,9 +66,15 @@ class ReplicaResult:
     # Where vllm_version came from: "probe" (GET /version), or why it is unknown.
     version_source: str = ""
 
+    @property
+    def verdict(self) -> str:
+        """One of :data:`VERDICTS`: how this result is printed."""
+        if self.ok:
+            return "NEAR-TIE" if self.reason == "near_tie" else "PASS"
+        return "CANNOT-JUDGE" if self.reason == CANNOT_JUDGE else "FAIL"
+
     def line(self) -> str:
-        verdict = ("NEAR-TIE" if self.reason == "near_tie" else "PASS") if self.ok else "FAIL"
-        return f"{verdict} {self.base_url}: {self.detail}"
+        return f"{self.verdict} {self.base_url}: {self.detail}"
 
 
 class Replica:

@@ -32,7 +32,8 @@ def _register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workdir", default=None, help="where rows write their scratch checkpoints")
     p.add_argument(
         "--param", action="append", default=[], metavar="KEY=VALUE",
-        help="row-specific setting, e.g. latency_ms=50, shards=66",
+        help="row-specific setting, e.g. latency_ms=50, shards=66 (--list shows each row's; "
+             "an unknown key or a bad value is refused before any row runs)",
     )
     p.set_defaults(func=_bench)
 
@@ -59,6 +60,8 @@ def _bench(args: argparse.Namespace) -> int:
                 print(f"{'':<20}   needs {row.needs}" + (f" (here: not run, {why})" if why else " (present)"))
             if row.heavy:
                 print(f"{'':<20}   heavy: {row.heavy}")
+            for param in row.params:
+                print(f"{'':<20}   --param {param.describe()}")
         for module, why in UNLOADED.items():
             print(f"{module:<20} rows not loaded: {why}")
         return 0

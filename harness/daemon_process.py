@@ -20,7 +20,6 @@ from typing import Any
 
 from pgbase.errors import PreloadGateError
 from pgbase.procs import stop_group
-from preload.daemon.parent import PARENT_PID_ENV
 from preload.daemon.ready import READY, NotReadyError, start_preload, wait_ready
 
 READY_TIMEOUT_S = 240.0
@@ -46,18 +45,17 @@ class DaemonProcess:
     exit_with_parent: bool = True
 
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> DaemonProcess:
-        # --exit-with-parent: a gate killed by any signal, SIGKILL included,
-        # must not leave a resident daemon and its socket directory behind.
-        args = [self.checkpoint, "--socket-root", self.socket_root,
-                *(["--exit-with-parent"] if self.exit_with_parent else []), *self.args]
+        args = [self.checkpoint, "--socket-root", self.socket_root, *self.args]
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.update(self.env)
-        env[PARENT_PID_ENV] = str(os.getpid())  # whom --exit-with-parent watches, even if we die at once
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         with open(self.log_path, "wb") as log:
-            self.proc = start_preload(args, env=env, stderr=log, new_session=True)
+            # exit_with_parent: a gate killed by any signal, SIGKILL included,
+            # must not leave a resident daemon and its socket directory behind.
+            self.proc = start_preload(args, env=env, stderr=log, new_session=True,
+                                      exit_with_parent=self.exit_with_parent)
         try:
             try:
                 self.ready = wait_ready(self.proc, READY, timeout_s)

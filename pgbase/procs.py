@@ -81,26 +81,53 @@ def stop_pid(pid: int, *, term_s: float, kill_s: float) -> bool:
     started and left running, known by the pid it wrote), wait up to
     ``term_s`` seconds, then SIGKILL and wait up to ``kill_s`` more.
 
-    Returns whether it is gone. A pid that no longer exists is gone. psutil
-    waits on a non-child by polling and remembers the process's start time,
-    so a pid reused meanwhile by another process is not signalled.
+    Returns whether it is gone. A pid that no longer exists is gone, and so
+    is a zombie: it has exited and holds nothing but its pid until its own
+    parent reaps it, which is no business of ours (psutil's ``wait`` on a
+    non-child polls for the pid, so a zombie would be "running" forever).
+    psutil remembers the process's start time, so a pid reused meanwhile by
+    another process is not signalled.
     """
     import psutil
 
     try:
         p = psutil.Process(pid)
-        p.terminate()
-        p.wait(term_s)
-        return True
     except psutil.NoSuchProcess:
         return True
-    except psutil.TimeoutExpired:
-        pass
+    for send, wait_s in ((p.terminate, term_s), (p.kill, kill_s)):
+        if _exited(p):
+            return True
+        try:
+            send()
+        except psutil.NoSuchProcess:
+            return True
+        if _wait_exited(p, wait_s):
+            return True
+    return False
+
+
+def _exited(p: Any) -> bool:
+    """Whether the psutil process ``p`` is gone or a zombie (exited, unreaped)."""
+    import psutil
+
     try:
-        p.kill()
-        p.wait(kill_s)
+        return bool(p.status() == psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
-        pass
-    except psutil.TimeoutExpired:
-        return False
-    return True
+        return True
+
+
+def _wait_exited(p: Any, wait_s: float) -> bool:
+    """Wait up to ``wait_s`` seconds for ``p`` to exit (reaping it when it is our child)."""
+    import psutil
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            p.wait(max(0.0, min(POLL_S, deadline - time.monotonic())))
+            return True
+        except psutil.TimeoutExpired:
+            pass
+        if _exited(p):
+            return True
+        if time.monotonic() >= deadline:
+            return False

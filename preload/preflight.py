@@ -85,14 +85,17 @@ def check_socket_root(root: str | os.PathLike[str], ranks: Iterable[int] = (0,),
 def check_rank_locks(socket_dir: str | os.PathLike[str], ranks: Iterable[int]) -> None:
     """No other daemon holds a rank's lock in ``socket_dir`` (probed on an
     existing lock file only; nothing is created)."""
+    from pgbase.lockfile import LockFileError, open_lock_file
     from preload.daemon.lock import lock_path
 
     for rank in ranks:
         path = lock_path(socket_dir, rank)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = open_lock_file(path, f"rank {rank} lock", create=False)
         except FileNotFoundError:
             continue
+        except LockFileError as exc:
+            raise PreflightError(str(exc)) from None
         except OSError as exc:
             raise PreflightError(f"cannot open the rank lock {path}: {exc.strerror}; remove it") from exc
         try:

@@ -16,22 +16,29 @@ that fits the machine, and a row whose need is missing reports "not run:
 why" instead of failing, so one command works on a laptop and on a GPU box.
 ``--list`` shows the heavy ones, so nobody starts a 15-minute row by surprise.
 
+A row declares its ``--param`` keys too (``params=[Param(...)]``,
+:mod:`harness.bench.params`): every given key and value is checked against
+the rows asked for before any runs, and the row reads them parsed
+(``options.value("shards")``).
+
 >>> results = run_rows(BenchOptions(size_bytes=64 << 20), only=["restart_identity"])  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
-import re
 import sys
 import tempfile
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pgbase.errors import PreloadGateError
+from harness.bench import params as _params
+from harness.bench.errors import BenchError
+from harness.bench.params import Param
 from preload.extras import ExtraMissingError, ModuleLoadError, import_for
 
 # Modules that define rows, in the order the table lists them, and the
@@ -49,20 +56,22 @@ ROW_MODULES: dict[str, str] = {
 }
 
 
-class BenchError(PreloadGateError):
-    """A benchmark cannot run as asked (unknown row, bad option, missing tool)."""
-
-
 @dataclass(frozen=True)
 class BenchOptions:
-    """Knobs shared by rows; ``params`` carries row-specific ``KEY=VALUE`` settings."""
+    """Knobs shared by rows; ``params`` carries the ``KEY=VALUE`` texts as
+    given, ``values`` the running row's declared parameters, parsed (filled
+    when the row is called)."""
 
     workdir: Path | None = None
     size_bytes: int = 2 << 30
     params: dict[str, str] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
 
-    def param(self, key: str, default: str) -> str:
-        return self.params.get(key, default)
+    def value(self, key: str) -> Any:
+        """The running row's parameter ``key``, parsed, or its declared default."""
+        if key not in self.values:
+            raise KeyError(f"{key!r} is not a declared parameter of this row (bench_row(params=...))")
+        return self.values[key]
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,7 @@ class BenchRow:
     run: Callable[[BenchOptions], list[BenchResult]]
     heavy: str = ""
     needs: str = ""
+    params: tuple[Param, ...] = ()
 
 
 ROWS: dict[str, BenchRow] = {}
@@ -137,15 +147,19 @@ _NEEDS = ("", "cuda")
 RowFn = Callable[[BenchOptions], list[BenchResult]]
 
 
-def bench_row(name: str, title: str, *, heavy: str = "", needs: str = "") -> Callable[[RowFn], RowFn]:
+def bench_row(name: str, title: str, *, heavy: str = "", needs: str = "",
+              params: Sequence[Param] = ()) -> Callable[[RowFn], RowFn]:
     """Register a row function; it returns one or more results.
 
     A row that ``needs`` something is not called where it is missing (run
     through :func:`run_rows` or directly): the row reports :func:`not_run`
-    with the reason instead, so its body can assume what it needs.
+    with the reason instead, so its body can assume what it needs. ``params``
+    are the ``--param`` keys it reads; it is called with their values parsed
+    (``options.value``), a bad one refused first (:class:`BenchError`).
     """
     if needs not in _NEEDS:
         raise BenchError(f"benchmark row {name!r} needs {needs!r}; known needs: {_NEEDS[1:]}")
+    declared = tuple(params)
 
     def deco(fn: RowFn) -> RowFn:
         if name in ROWS:
@@ -153,12 +167,12 @@ def bench_row(name: str, title: str, *, heavy: str = "", needs: str = "") -> Cal
 
         @functools.wraps(fn)
         def run(options: BenchOptions) -> list[BenchResult]:
+            values = _params.resolve(name, declared, options.params)
             why = missing(needs)
-            return [not_run(name, title, why)] if why else fn(options)
+            return [not_run(name, title, why)] if why else fn(replace(options, values=values))
 
-        row = run if needs else fn
-        ROWS[name] = BenchRow(name, title, row, heavy=heavy, needs=needs)
-        return row
+        ROWS[name] = BenchRow(name, title, run, heavy=heavy, needs=needs, params=declared)
+        return run
 
     return deco
 
@@ -201,6 +215,22 @@ def load_rows() -> dict[str, BenchRow]:
     return ROWS
 
 
+def check_request(options: BenchOptions, only: Iterable[str] | None = None) -> list[str]:
+    """The rows ``only`` names (default: every row), once each is known and
+    every ``--param`` is one they take with a value they accept; else
+    :class:`BenchError`, before any row runs."""
+    rows = load_rows()
+    names = list(only) if only else list(rows)
+    unknown = [n for n in names if n not in rows]
+    if unknown:
+        unloaded = "".join(f"; rows of {m} not loaded: {why}" for m, why in UNLOADED.items())
+        raise BenchError(f"unknown benchmark rows {unknown}; known: {', '.join(rows)}{unloaded}")
+    _params.check_known({n: rows[n].params for n in names}, options.params, named=bool(only))
+    for n in names:
+        _params.resolve(n, rows[n].params, options.params)
+    return names
+
+
 def run_rows(
     options: BenchOptions, only: Iterable[str] | None = None, *, skip_heavy: bool = False
 ) -> list[BenchResult]:
@@ -209,11 +239,7 @@ def run_rows(
     heavy rows as not run too (only when no row is named); so is each row
     module whose extra is missing (``UNLOADED``), with no row named."""
     rows = load_rows()
-    names = list(only) if only else list(rows)
-    unknown = [n for n in names if n not in rows]
-    if unknown:
-        unloaded = "".join(f"; rows of {m} not loaded: {why}" for m, why in UNLOADED.items())
-        raise BenchError(f"unknown benchmark rows {unknown}; known: {', '.join(rows)}{unloaded}")
+    names = check_request(options, only)
     # A module whose extra is missing reports, in place of its rows, that it did not run.
     results: list[BenchResult] = [] if only else [not_run(m, f"rows of {m}", why) for m, why in UNLOADED.items()]
     for n in names:
@@ -272,12 +298,11 @@ def markdown(results: list[BenchResult]) -> str:
 
 
 def parse_size(text: str) -> int:
-    """``2G``, ``512M``, ``64K`` (binary units, optional trailing B/iB) or a byte count."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:i?b)?\s*", text.lower())
-    if not m:
-        raise BenchError(f"bad size {text!r}; use e.g. 2G, 512M, 65536")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2)]
-    return int(float(m.group(1)) * scale)
+    """``2G``, ``512M``, ``64K`` (binary units, optional trailing B/iB) or a byte count >= 1."""
+    try:
+        return _params.size(text)
+    except argparse.ArgumentTypeError as exc:
+        raise BenchError(f"--size: {exc}") from None
 
 
 def default_workdir() -> Path:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.bench import BenchError, BenchOptions, BenchResult, Figure, bench_row, default_workdir
+from harness.bench import params as P
 from harness.engine import EngineResult, EngineSpec, run_engine
 from preload.daemon.ready import READY, NotReadyError, start_preload, stop_daemon, wait_ready
 
@@ -55,7 +56,9 @@ def _engine(model: Path, workdir: Path, env: dict[str, str], load_format: str = 
 
 class _Daemon:
     def __init__(self, ckpt: Path, root: Path, env: dict[str, str], *args: str) -> None:
-        self.proc = start_preload([str(ckpt), "--socket-root", str(root), *args], env=env, stderr=subprocess.DEVNULL)
+        # exit_with_parent: a bench killed by SIGKILL leaves no resident daemon behind.
+        self.proc = start_preload([str(ckpt), "--socket-root", str(root), *args], env=env, stderr=subprocess.DEVNULL,
+                                  exit_with_parent=True)
         try:
             self.ready = wait_ready(self.proc, READY, timeout_s=None)
         except NotReadyError as exc:
@@ -65,8 +68,11 @@ class _Daemon:
         stop_daemon(self.proc, 60)
 
 
+_MODEL = "tiny, smollm2 or a checkpoint directory"
+
+
 def _checkpoint(options: BenchOptions, work: Path) -> Path:
-    model = options.param("model", "tiny")
+    model = options.value("model")
     if model == "tiny":
         from fixtures.tiny import write_tiny
 
@@ -77,7 +83,7 @@ def _checkpoint(options: BenchOptions, work: Path) -> Path:
         return write_smollm2(work / "smollm2", progress=False)
     if Path(model).is_dir():
         return Path(model)
-    raise BenchError(f"model={model!r}: use tiny, smollm2 or a checkpoint directory")
+    raise BenchError(f"model={model!r}: use {_MODEL}")
 
 
 # (figure, label, what it times) reported per engine pair, auto beside verified_cache.
@@ -89,11 +95,12 @@ _PHASES = (
 
 
 @bench_row("daemon_weight_load", "engine weight load, ready and first token: verified_cache hit vs auto",
-           heavy="two vLLM engine starts and a loaded-stage daemon (about 1-2 min on 2 cores)")
+           heavy="two vLLM engine starts and a loaded-stage daemon (about 1-2 min on 2 cores)",
+           params=(P.Param("model", P.model, "tiny", _MODEL),))
 def daemon_weight_load(options: BenchOptions) -> list[BenchResult]:
     from preload.promote import promote
 
-    model = options.param("model", "tiny")
+    model = options.value("model")
     work = Path(tempfile.mkdtemp(prefix="pg-bench-d-", dir=options.workdir or default_workdir()))
     root = Path(tempfile.mkdtemp(prefix="pg-b-", dir="/tmp"))
     env = dict(os.environ, PRELOAD_GATE_CACHE=str(work / "cache"), VLLM_CPU_KVCACHE_SPACE="1")
@@ -175,18 +182,20 @@ def _weight_bytes(ckpt: Path) -> int:
     return sum(t.nbytes for p in shard_paths(ckpt) for t in read_header(p).tensors)
 
 
-@bench_row("daemon_peak_memory", "daemon peak memory as a multiple of weight bytes")
+@bench_row("daemon_peak_memory", "daemon peak memory as a multiple of weight bytes",
+           params=(P.Param("size", P.size, 256 << 20, "a size >= 1 byte (e.g. 256M)", "default 256M"),
+                   P.Param("model", P.model, None, _MODEL, "default: none; also a loaded-stage daemon on it")))
 def daemon_peak_memory(options: BenchOptions) -> list[BenchResult]:
     from harness.bench.synthetic import write_synthetic
 
     work = Path(tempfile.mkdtemp(prefix="pg-bench-m-", dir=options.workdir or default_workdir()))
     root = Path(tempfile.mkdtemp(prefix="pg-b-", dir="/tmp"))
     env = dict(os.environ, PRELOAD_GATE_CACHE=str(work / "cache"), VLLM_CPU_KVCACHE_SPACE="1")
-    size = int(options.param("size", str(256 << 20)))
+    size = options.value("size")
     results = []
     try:
         cases = [("raw", write_synthetic(work / "synthetic", 2, size // 2, tensors_per_shard=8)[0].parent)]
-        if options.param("model", ""):
+        if options.value("model") is not None:
             cases.append(("loaded", _checkpoint(options, work)))
         for stage, ckpt in cases:
             weights = _weight_bytes(ckpt)

@@ -11,7 +11,9 @@ client keeps its dentries), and concurrent requests
 wait together, as on a storage server that serves them concurrently.
 
 Needs root (``mount(2)`` of FUSE without fusermount) and ``/dev/fuse``;
-otherwise entering raises :class:`FuseUnavailableError` saying which.
+otherwise entering raises :class:`FuseUnavailableError` saying which. A
+``with`` block that never ends (its process killed by SIGKILL) leaves
+nothing behind: the server sees its control pipe close, unmounts and exits.
 
 >>> fs = FuseFS("/models/m", latency_s=0.05)  # doctest: +SKIP
 >>> with fs as mnt:  # doctest: +SKIP
@@ -31,10 +33,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from harness.bench.fuse_server import FSTYPE, mounted, umount
+
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV = 1, 2, 4
-_MNT_DETACH = 2
 _SERVER = Path(__file__).with_name("fuse_server.py")
-FSTYPE = "fuse.pgbench"  # what /proc/self/mountinfo (and filesystem_type) shows
 
 
 class FuseUnavailableError(RuntimeError):
@@ -44,15 +46,7 @@ class FuseUnavailableError(RuntimeError):
 def _libc() -> Any:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-    libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
     return libc
-
-
-def mounted(mount_point: str | os.PathLike[str]) -> bool:
-    """Whether ``mount_point`` is a mount point in /proc/self/mountinfo (field 5)."""
-    want = os.path.realpath(mount_point)
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-        return any(line.split()[4] == want for line in f if len(line.split()) > 4)
 
 
 class FuseFS:
@@ -88,9 +82,11 @@ class FuseFS:
             try:
                 self._mount(fd, mp)
                 # Started after the mount: /dev/fuse refuses reads (EPERM) until then.
+                # Its stdin is ours alone (a pipe, not inherited by our other
+                # children): if we die, it reads end of file and unmounts.
                 self._server = subprocess.Popen(
-                    [sys.executable, str(_SERVER), str(fd), self.real_dir, repr(self.latency_s)], pass_fds=(fd,),
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                    [sys.executable, str(_SERVER), str(fd), self.real_dir, repr(self.latency_s), mp],
+                    pass_fds=(fd,), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             finally:
                 # The server's copy is then the connection's only one: should it
                 # die, requests fail (ENOTCONN) instead of waiting for it forever.
@@ -120,7 +116,7 @@ class FuseFS:
     def _teardown(self, mp: str | None) -> None:
         if mp is not None:
             if mounted(mp):
-                _libc().umount2(os.fsencode(mp), _MNT_DETACH)  # ends the connection: the server's read fails
+                umount(mp)  # ends the connection: the server's read fails
             try:
                 os.rmdir(mp)
             except OSError:

@@ -3,9 +3,13 @@ mirror of a real directory speaking the raw /dev/fuse protocol (linux/fuse.h,
 protocol 7.31), every reply held back ``latency_s``.
 
 Run as a script in its own process (``python fuse_server.py FD ROOT
-LATENCY_S``, FD a /dev/fuse connection the parent mounted), so that its CPU
-and its GIL are not the client's, as a storage server's are not. It imports
-nothing from this project. Control, one line each on stdin, answered with
+LATENCY_S MOUNT_POINT``, FD a /dev/fuse connection the parent mounted on
+MOUNT_POINT), so that its CPU and its GIL are not the client's, as a storage
+server's are not. It imports nothing from this project. Its stdin is the
+parent's control pipe: end of file there while the mount still serves means
+the parent died without unmounting (SIGKILL), so the server unmounts,
+removes the mount point and exits by itself (:meth:`Server.orphaned`).
+Control, one line each on stdin, answered with
 one JSON line on stdout: ``latency S`` (replies to later requests wait S),
 ``release`` (send every held reply now), ``counts`` (requests by opcode
 name, and ``held_peak``: most replies waiting at once, i.e. requests the
@@ -19,6 +23,7 @@ serves them concurrently: 1,000 lookups issued at once cost one latency.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import heapq
 import json
@@ -47,11 +52,43 @@ MAX_WRITE = 128 << 10
 # LOOKUP and then a GETATTR, two round trips one after the other, which no
 # NFS client pays: a LOOKUP's reply carries the attributes.)
 _ENTRY_VALID_S = 3600
+FSTYPE = "fuse.pgbench"  # what /proc/self/mountinfo (and filesystem_type) shows
+_MNT_DETACH = 2
+# After the control pipe's end of file, how long a normal teardown has to end
+# the connection (the parent unmounts, then closes the pipe) before the
+# server takes the parent for dead and unmounts itself.
+_TEARDOWN_GRACE_S = 5.0
+
+
+def mounted(mount_point: str | os.PathLike[str], fstype: str | None = None) -> bool:
+    """Whether ``mount_point`` is a mount point in /proc/self/mountinfo (field
+    5), of ``fstype`` when given (the field after the `` - `` separator)."""
+    want = os.path.realpath(mount_point)
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4 and fields[4] == want:
+                rest = fields[fields.index("-") + 1:] if "-" in fields else []
+                if fstype is None or rest[:1] == [fstype]:
+                    return True
+    return False
+
+
+def umount(mount_point: str | os.PathLike[str]) -> None:
+    """Detach the mount (``umount2(MNT_DETACH)``): ends the connection once nothing in it is open."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    libc.umount2(os.fsencode(mount_point), _MNT_DETACH)
 
 
 class Server:
-    def __init__(self, fd: int, root: str, latency_s: float) -> None:
+    def __init__(self, fd: int, root: str, latency_s: float, mount_point: str = "") -> None:
         self.fd, self.root, self.latency_s = fd, os.path.realpath(root), latency_s
+        self.mount_point = mount_point
+        self.ended = threading.Event()  # the connection ended: serve() returned
+        # orphaned() began / finished: our own unmount ends serve() (DESTROY)
+        # while it still has the mount point to remove; main waits for it.
+        self.leaving, self.left = threading.Event(), threading.Event()
         self.paths: dict[int, str] = {1: self.root}  # nodeid -> real path
         self.ids: dict[str, int] = {self.root: 1}
         self.lookups: dict[int, int] = {}
@@ -244,14 +281,43 @@ class Server:
             if cmd == "release":
                 self.release()
             print(json.dumps(answer), flush=True)
+        self.orphaned()
+
+    def orphaned(self) -> None:
+        """The control pipe's end of file: the parent closed it after
+        unmounting (its teardown), or it died. A parent killed by SIGKILL
+        never unmounts, and nothing else would: the mount and this process
+        stayed behind forever. So unless the connection ends within the
+        grace, unmount our own mount point (only while it is still this
+        filesystem's), remove it and exit; exiting closes the connection's
+        last descriptor, which fails whatever still waits on it (ENOTCONN)."""
+        if self.ended.wait(_TEARDOWN_GRACE_S):
+            return
+        mp = self.mount_point
+        self.leaving.set()
+        print(f"fuse_server: the parent is gone; unmounting {mp or '(no mount point given)'}",
+              file=sys.stderr, flush=True)
+        if mp and mounted(mp, FSTYPE):
+            umount(mp)
+            try:
+                os.rmdir(mp)
+            except OSError:
+                pass
+        self.left.set()
+        os._exit(0)
 
 
 def main(argv: list[str]) -> int:
     fd, root, latency = int(argv[0]), argv[1], float(argv[2])
-    server = Server(fd, root, latency)
+    server = Server(fd, root, latency, argv[3] if len(argv) > 3 else "")
     threading.Thread(target=server.control, daemon=True).start()
     print(json.dumps({"ready": True}), flush=True)
-    server.serve()
+    try:
+        server.serve()
+    finally:
+        server.ended.set()
+    if server.leaving.is_set():
+        server.left.wait(30)
     return 0
 
 

@@ -15,16 +15,19 @@ import time
 from pathlib import Path
 
 from harness.bench import BenchOptions, BenchResult, Figure, bench_row
+from harness.bench import params as P
 
 
 @bench_row("gate_selftest", "gate self-test on the tiny fixture: cold vs auto cache warm",
-           heavy="the full self-test twice: dozens of vLLM engine runs, up to 30 min on 2 cores")
+           heavy="the full self-test twice: dozens of vLLM engine runs, up to 30 min on 2 cores",
+           params=(P.Param("mutations", P.mutations, "all", "all or comma-separated mutation cases"),
+                   P.Param("jobs", P.positive_int, 1, "an integer >= 1")))
 def gate_selftest(options: BenchOptions) -> list[BenchResult]:
     from fixtures.tiny import write_tiny
     from harness.gate import GateOptions, run_gate
 
-    mutations = options.param("mutations", "all")
-    jobs = int(options.param("jobs", "1"))
+    mutations = options.value("mutations")
+    jobs = options.value("jobs")
     work = Path(tempfile.mkdtemp(prefix="pg-bench-gate-", dir=options.workdir))
     try:
         ckpt = write_tiny(work / "tiny")

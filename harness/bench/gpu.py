@@ -35,13 +35,19 @@ from collections.abc import Callable
 from typing import Any
 
 from harness.bench import BenchOptions, BenchResult, Figure, bench_row
+from harness.bench import params as P
 
 _DEFAULT_TENSORS = 320
 
 
+# The GPU rows' parameters (gpu_attach, gpu_checksum, gpu_daemon_attach).
+GPU_PARAMS = (P.Param("tensors", P.positive_int, _DEFAULT_TENSORS, "an integer >= 1"),
+              P.Param("reps", P.positive_int, 7, "an integer >= 1"))
+
+
 def gpu_params(options: BenchOptions) -> tuple[int, int]:
     """``(tensors, reps)`` from the row's ``--param`` values."""
-    return int(options.param("tensors", str(_DEFAULT_TENSORS))), int(options.param("reps", "7"))
+    return options.value("tensors"), options.value("reps")
 
 
 def synthetic_specs(total_bytes: int, tensors: int) -> list[tuple[str, Any, tuple[int, ...], str]]:
@@ -115,7 +121,7 @@ def _time_attach(desc: dict[str, Any], layout: Any) -> tuple[float, Any]:
 
 
 @bench_row("gpu_attach", "attach an 8 GB rank over CUDA IPC: one arena vs one handle per tensor",
-           needs="cuda", heavy="8 GB of GPU memory, twice")
+           needs="cuda", heavy="8 GB of GPU memory, twice", params=GPU_PARAMS)
 def gpu_attach(options: BenchOptions) -> list[BenchResult]:
     title = "attach over CUDA IPC: one arena handle vs one handle per tensor"
     import torch
@@ -226,7 +232,8 @@ def _copy_times(src: Any, reps: int) -> list[float]:
     return cuda_time(lambda: dst.copy_(src), reps)
 
 
-@bench_row("gpu_checksum", "resident checksum throughput: one Triton launch vs naive torch", needs="cuda")
+@bench_row("gpu_checksum", "resident checksum throughput: one Triton launch vs naive torch", needs="cuda",
+           params=GPU_PARAMS)
 def gpu_checksum(options: BenchOptions) -> list[BenchResult]:
     title = "resident-weight checksum throughput"
     import torch

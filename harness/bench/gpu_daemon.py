@@ -18,20 +18,21 @@ from pathlib import Path
 from typing import Any
 
 from harness.bench import BenchOptions, BenchResult, Figure, bench_row, default_workdir
-from harness.bench.gpu import cuda_time, gpu_params, median_ms
+from harness.bench.gpu import GPU_PARAMS, cuda_time, gpu_params, median_ms
 from preload.daemon.ready import READY, NotReadyError, start_preload, wait_ready
 
 
 def _start_daemon(ckpt: Path, root: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     proc = start_preload([str(ckpt), "--stage", "raw", "--transport", "cuda", "--identity", "full",
-                          "--socket-root", str(root)])
+                          "--socket-root", str(root)], exit_with_parent=True)  # a killed bench leaves none
     try:
         return proc, wait_ready(proc, READY, timeout_s=None)
     except NotReadyError as exc:
         raise RuntimeError(f"daemon exited with {exc.returncode} before it was ready") from None
 
 
-@bench_row("gpu_daemon_attach", "engine restart through the daemon: attach+verify vs disk load", needs="cuda")
+@bench_row("gpu_daemon_attach", "engine restart through the daemon: attach+verify vs disk load", needs="cuda",
+           params=GPU_PARAMS)
 def gpu_daemon_attach(options: BenchOptions) -> list[BenchResult]:
     title = "restart through the daemon (connect, get_state, attach, verify) vs safetensors load to GPU"
     import torch

@@ -20,6 +20,7 @@ from harness.bench import (
     progress,
     scratch,
 )
+from harness.bench import params as P
 from harness.bench.synthetic import write_synthetic
 from preload.identity.digest import checkpoint_digest, hash_shards
 
@@ -50,12 +51,15 @@ def _warm(paths: list[Path]) -> None:
 
 
 @bench_row("promote_throughput", "promotion hashing vs sequential sha256sum (page cache warm)",
-           heavy="writes and hashes --size bytes (2 GiB by default) three times")
+           heavy="writes and hashes --size bytes (2 GiB by default) three times",
+           params=(P.Param("hash_shards", P.positive_int, 8, "an integer >= 1"),
+                   P.Param("repeats", P.positive_int, 3, "an integer >= 1"),
+                   P.Param("workers", P.nonnegative_int, 0, "an integer >= 0 (0: as many as promote uses)")))
 def promote_throughput(options: BenchOptions) -> list[BenchResult]:
     size = options.size_bytes
-    shards = int(options.param("hash_shards", "8"))
-    repeats = int(options.param("repeats", "3"))
-    workers = int(options.param("workers", "0")) or None
+    shards = options.value("hash_shards")
+    repeats = options.value("repeats")
+    workers = options.value("workers") or None
     work = scratch(options, "pg-bench-hash-")
     try:
         paths = write_synthetic(work / "ckpt", shards, size // shards, tensors_per_shard=2)

@@ -42,7 +42,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness.bench import (
-    BenchError,
     BenchOptions,
     BenchResult,
     Figure,
@@ -50,6 +49,7 @@ from harness.bench import (
     progress,
     scratch,
 )
+from harness.bench import params as P
 from harness.bench.fuse_fs import FuseUnavailableError
 from harness.bench.remote_fs import IOCounts
 from harness.bench.stat_trips import (
@@ -74,13 +74,9 @@ def _latencies(options: BenchOptions) -> list[tuple[float, float]]:
     always measured beside it, so one run shows what the latency costs each
     scheme and that ours does the same (zero) opens either way.
     """
-    try:
-        remote = float(options.param("latency_ms", "50"))
-        stat = float(options.param("stat_latency_ms", str(remote)))
-    except ValueError as exc:
-        raise BenchError(f"restart_identity: bad latency parameter ({exc})") from None
-    if remote < 0 or stat < 0:
-        raise BenchError("restart_identity: latency_ms and stat_latency_ms must be >= 0")
+    remote = options.value("latency_ms")
+    stat = options.value("stat_latency_ms")
+    stat = remote if stat is None else stat
     variants = [(remote, stat)]
     if (remote, stat) != (0.0, 0.0):
         variants.append((0.0, 0.0))
@@ -122,19 +118,30 @@ _PAIRS = (
 )
 
 
-@bench_row("restart_identity", "restart identity cost, many shards, with and without remote-storage latency")
+_SCHEMES = ("header_only", "sampled_1k", "path_stat", "realpath", "content/stat", "content/pinned", "content/full")
+_MS = "a number >= 0 (milliseconds)"
+PARAMS = (
+    P.Param("shards", P.positive_int, 66, "an integer >= 1"),
+    P.Param("shard_mb", P.positive_float, 4.0, "a number > 0 (MiB per shard)"),
+    P.Param("latency_ms", P.nonnegative_float, 50.0, _MS, "default 50; each open and read of the remote variant"),
+    P.Param("stat_latency_ms", P.nonnegative_float, None, _MS, "default: latency_ms; each stat and listing"),
+    P.Param("header_impl", P.choice(*anchors.HEADER_IMPLS), "auto", f"one of {', '.join(anchors.HEADER_IMPLS)}"),
+    P.Param("trip_shards", P.positive_ints, (1000,), "comma-separated integers >= 1"),
+    P.Param("trip_repeats", P.positive_int, 3, "an integer >= 1"),
+    P.Param("schemes", P.subset(_SCHEMES), _SCHEMES, f"comma-separated, of {', '.join(_SCHEMES)}",
+            "default: all"),
+)
+
+
+@bench_row("restart_identity", "restart identity cost, many shards, with and without remote-storage latency",
+           params=PARAMS)
 def restart_identity(options: BenchOptions) -> list[BenchResult]:
-    shards = int(options.param("shards", "66"))
-    shard_bytes = int(float(options.param("shard_mb", "4")) * (1 << 20))
+    shards = options.value("shards")
+    shard_bytes = int(options.value("shard_mb") * (1 << 20))
     variants = _latencies(options)
-    impl = options.param("header_impl", "auto")
-    try:
-        extra = sorted({int(n) for n in options.param("trip_shards", "1000").split(",") if n.strip()} - {shards})
-        repeats = int(options.param("trip_repeats", "3"))
-    except ValueError as exc:
-        raise BenchError(f"restart_identity: bad trip_shards or trip_repeats ({exc})") from None
-    if repeats < 1 or any(n < 1 for n in extra):
-        raise BenchError("restart_identity: trip_shards and trip_repeats must be >= 1")
+    impl = options.value("header_impl")
+    extra = sorted(set(options.value("trip_shards")) - {shards})
+    repeats = options.value("trip_repeats")
     work = scratch(options, "pg-bench-restart-")
     measured: dict[tuple[float, str], tuple[IOCounts, float]] = {}
     trips: dict[tuple[int, float], dict] = {}
@@ -165,10 +172,8 @@ def restart_identity(options: BenchOptions) -> list[BenchResult]:
         }
         # --param schemes=content/stat,content/pinned: at 1,000 shards the
         # anchors take minutes per variant (three round trips per shard).
-        wanted = options.param("schemes", ",".join(every)).split(",")
-        unknown = sorted(set(wanted) - set(every))
-        if unknown:
-            raise BenchError(f"restart_identity: unknown schemes {unknown}; known: {', '.join(every)}")
+        assert tuple(every) == _SCHEMES, "the declared schemes are these"
+        wanted = options.value("schemes")
         schemes = {k: v for k, v in every.items() if k in wanted}
         # The startup heap (vLLM, torch) is frozen, as vLLM's engine core does
         # after start (vllm.utils.gc_utils.freeze_gc_heap): a full collection of

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.bench import BenchOptions, BenchResult, Figure, bench_row, default_workdir
+from harness.bench import params as P
 
 
 @dataclass
@@ -126,16 +127,20 @@ def load_many(checkpoint: Path, clients: int) -> list[ClientResult]:
     return concurrently(clients, one)
 
 
-@bench_row("attach_load", "N engines attaching to one daemon at once (CPU shm)")
+@bench_row("attach_load", "N engines attaching to one daemon at once (CPU shm)",
+           params=(P.Param("clients", P.positive_int, 32, "an integer >= 1"),
+                   P.Param("rounds", P.positive_int, 3, "an integer >= 1"),
+                   P.Param("load_mb", P.positive_float, 32.0, "a number > 0 (MiB of weights)"),
+                   P.Param("load_shards", P.positive_int, 4, "an integer >= 1")))
 def attach_load(options: BenchOptions) -> list[BenchResult]:
     from harness.bench.synthetic import write_synthetic
     from harness.daemon_process import DaemonProcess
     from preload.promote import promote
 
-    clients = int(options.param("clients", "32"))
-    rounds = int(options.param("rounds", "3"))
-    size_mb = float(options.param("load_mb", "32"))
-    shards = int(options.param("load_shards", "4"))
+    clients = options.value("clients")
+    rounds = options.value("rounds")
+    size_mb = options.value("load_mb")
+    shards = options.value("load_shards")
     base = options.workdir or default_workdir()
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="pg-bench-load-", dir=base))

@@ -269,7 +269,7 @@ def _prepare(opts: GateOptions, case: GateCase, base: Path, candidate: Path, dae
 def _run_engines(opts: GateOptions, prepared: list[_Prepared], socket_root: str, workdir: Path) -> None:
     """Every reference (deduplicated, from the cache where possible) and every
     cached engine, ``opts.jobs`` at a time."""
-    refs = ReferenceCache(opts.reference_cache)
+    refs = ReferenceCache(opts.reference_cache, opts.progress)
     version = vllm_version()
     ref_jobs: dict[str, EngineSpec] = {}
     ref_names: dict[str, str] = {}

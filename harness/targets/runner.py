@@ -162,7 +162,7 @@ def _run_engines(target: CacheTarget, opts: Any, items: list[_Case], workdir: Pa
                  note: Callable[[str, str], None]) -> None:
     from harness.gate.references import ReferenceCache, vllm_version
 
-    refs = ReferenceCache(opts.reference_cache)
+    refs = ReferenceCache(opts.reference_cache, opts.progress)
     version = vllm_version()
     ref_jobs: dict[str, tuple[str, EngineSpec, list[str]]] = {}
     cached_jobs: dict[str, tuple[str, EngineSpec]] = {}

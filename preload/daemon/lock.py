@@ -16,13 +16,13 @@ only the lock file it created, checked by inode.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import socket
 from pathlib import Path
 
 from pgbase.errors import PreloadGateError
+from pgbase.lockfile import LockFileError, open_lock_file
 
 
 class RankBusyError(PreloadGateError):
@@ -89,7 +89,7 @@ class RankLock:
     def acquire(cls, directory: str | os.PathLike[str], global_rank: int) -> RankLock:
         path = lock_path(directory, global_rank)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = open_lock_file(path, f"rank {global_rank} lock")  # a directory or symlink there: one line
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -135,11 +135,9 @@ class RankLock:
         if self._fd < 0 or self.holds_path():
             return False
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise RankBusyError(f"{self.path} was replaced by a symlink; refusing it") from None
-            raise
+            fd = open_lock_file(self.path, "rank lock")
+        except LockFileError as exc:  # replaced by a directory or a symlink: not ours to take back
+            raise RankBusyError(f"the lock file this daemon held was replaced: {exc}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -32,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any, Generic, TypeVar
 
 from pgbase.errors import PreloadGateError
+from preload.daemon.parent import PARENT_PID_ENV
 
 READY = "ready"  # the launcher's line
 RANK_READY = "rank_ready"  # a rank's line
@@ -63,10 +65,18 @@ class NotReadyError(PreloadGateError):
 
 
 def start_preload(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Any = None,
-                  stderr: Stderr = None, new_session: bool = False) -> subprocess.Popen[bytes]:
+                  stderr: Stderr = None, new_session: bool = False,
+                  exit_with_parent: bool = False) -> subprocess.Popen[bytes]:
     """``preload-gate preload ARGS`` with stdout piped for its ready line.
     ``new_session``: lead a process group of its own (stop it with
-    :func:`pgbase.procs.stop_group`)."""
+    :func:`pgbase.procs.stop_group`). ``exit_with_parent``: the daemon stops
+    by itself (and removes its sockets) when this process dies without
+    stopping it, SIGKILL included (``--exit-with-parent``, watching our pid)."""
+    if exit_with_parent:
+        args = ["--exit-with-parent", *args]
+        # Whom it watches, named by us: a starter killed before the child
+        # looked at getppid() would otherwise go unnoticed.
+        env = {**(os.environ if env is None else env), PARENT_PID_ENV: str(os.getpid())}
     return subprocess.Popen([sys.executable, *PRELOAD_COMMAND, *args], stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=cwd,
                             start_new_session=new_session)

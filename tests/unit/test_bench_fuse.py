@@ -8,14 +8,21 @@
   request at the server at once; control: io-wq's default worker limit
   (which the ring raises) caps it at 4 x CPUs. The thread pool does too.
 - A dead server fails requests (ENOTCONN), it does not hang them.
+- A dead client (the bench SIGKILLed inside the ``with``) leaves no mount
+  and no server behind: the server sees its control pipe close and unmounts.
 - Unmounting leaves no mount behind; not root or no /dev/fuse is a
   FuseUnavailableError saying which (those two run everywhere).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 from reliability_support import skip_privileged
@@ -177,6 +184,57 @@ def test_a_dead_server_fails_requests_instead_of_hanging_them(real):
     finally:
         fs.__exit__(None, None, None)
     assert not mounted(mnt)
+
+
+# A bench reduced to its FUSE mount: it mounts, says where, and waits to be killed.
+_CLIENT = """
+import sys, time
+from harness.bench.fuse_fs import FuseFS
+fs = FuseFS(sys.argv[1])
+mnt = fs.__enter__()
+print(mnt, fs._server.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie (an orphan whose reaper, PID 1 in a container, may not reap)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@needs_root
+def test_a_killed_client_leaves_no_mount_and_no_server(real):
+    """SIGKILL of the process inside ``with FuseFS(...)`` used to leave the
+    mount and its server running forever (SIGTERM unwinds; SIGKILL runs no
+    clean-up). The server now reads end of file on its control pipe, unmounts
+    and exits. Control: while the client lives, both are there."""
+    repo = Path(__file__).resolve().parents[2]
+    client = subprocess.Popen([sys.executable, "-c", _CLIENT, str(real)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(repo)}, cwd=repo)
+    assert client.stdout is not None
+    mnt_text, pid_text = client.stdout.readline().split()
+    mnt, server = Path(mnt_text), int(pid_text)
+    try:
+        assert mounted(mnt) and not _gone(server), "control: the live client's mount serves"
+        assert os.stat(mnt / "a.bin").st_size == 256_000
+        client.kill()
+        client.wait()
+        assert _wait(lambda: not mounted(mnt), 60.0), f"{mnt} is still mounted after its client was killed"
+        assert _wait(lambda: _gone(server), 60.0), f"the FUSE server (pid {server}) outlived its client"
+        assert not mnt.exists(), "the mount point directory was left behind"
+    finally:  # on failure, clean up as the server should have (on its own, old or new)
+        client.kill()
+        if mounted(mnt):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.umount2(os.fsencode(mnt), 2)  # MNT_DETACH
+        if not _gone(server):
+            os.kill(server, signal.SIGKILL)
+        if mnt.exists():
+            mnt.rmdir()
 
 
 def test_not_root_is_a_clear_refusal(tmp_path, monkeypatch):

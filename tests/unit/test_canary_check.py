@@ -382,10 +382,21 @@ def test_unkeyed_golden_never_blames_the_weights(replicas, tmp_path: Path, capsy
     assert cli_main(base + ["--base-url", good.url, "--golden", str(unkeyed)]) == 0
     capsys.readouterr()
     assert cli_main(base + ["--base-url", bad.url, "--golden", str(unkeyed)]) == 2
-    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if "config_digest" in ln]
+    got = capsys.readouterr()
+    err = [ln for ln in got.err.strip().splitlines() if "config_digest" in ln]
     assert len(err) == 1 and "cannot judge" in err[0] and "canary record" in err[0]
+    # The replica's own line says so too: its verdict is CANNOT-JUDGE, never
+    # FAIL printed beside "cannot judge" (new-user F12).
+    (line,) = [ln for ln in got.out.splitlines() if bad.url in ln]
+    assert line.startswith("CANNOT-JUDGE ") and "FAIL" not in got.out and "PASS" not in got.out
+    assert cli_main(base + ["--base-url", bad.url, "--golden", str(unkeyed), "--json"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["judged"] is False and doc["ok"] is False
+    assert [(r["verdict"], r["reason"]) for r in doc["replicas"]] == [("CANNOT-JUDGE", "cannot_judge")]
     # Control: the keyed golden against the same wrong replica is a real failure.
     assert cli_main(base + ["--base-url", bad.url, "--golden", str(keyed)]) == 1
+    out = capsys.readouterr().out
+    assert any(ln.startswith("FAIL ") and bad.url in ln for ln in out.splitlines()) and "CANNOT-JUDGE" not in out
     # Failures that are not differing answers are failures whatever the golden
     # records (r06: a router's own /version; a replica nobody answers for):
     # exit 1 with the replica's reason, never "cannot judge ... answers differ".

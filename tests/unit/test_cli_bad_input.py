@@ -146,6 +146,15 @@ BAD = [
     ("canary", ["canary", "check", "--base-url", "http://127.0.0.1:9", "--golden", "{base}/nope.json"], None,
      "nope.json"),
     ("bench", ["bench", "--only", "no_such_row"], None, "no_such_row"),
+    # Row parameters (new-user F8): declared per row, refused before any row runs.
+    ("bench", ["bench", "--only", "restart_identity", "--param", "shards=abc"], None,
+     "bench row restart_identity: --param shards=abc: 'abc' is not an integer; allowed: an integer >= 1"),
+    ("bench", ["bench", "--only", "restart_identity", "--param", "shard=3"], None,
+     "bench row restart_identity has no parameter 'shard'"),
+    ("bench", ["bench", "--only", "attach_load", "--param", "clients=0"], None, "bench row attach_load: --param clients=0"),
+    ("bench", ["bench", "--only", "gate_selftest", "--param", "mutations=bogus"], None, "unknown mutation bogus"),
+    ("bench", ["bench", "--param", "clientz=3"], None, "no bench row takes --param clientz"),
+    ("bench", ["bench", "--size", "lots", "--only", "restart_identity"], None, "--size: bad size 'lots'"),
     ("demo", ["demo", "--bogus"], None, "unrecognized arguments"),
     ("demo", ["demo", "--report", "{base}/afile/r"], None, "is not a directory"),
     # Numeric flags: one shared argparse type per kind (pgbase.cliargs), so a

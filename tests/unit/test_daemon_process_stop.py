@@ -131,3 +131,29 @@ def test_stop_pid_kills_what_ignores_sigterm_and_a_gone_pid_is_gone() -> None:
     assert stop_pid(pid, term_s=0.5, kill_s=10.0)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert stop_pid(pid, term_s=0.1, kill_s=0.1)  # already gone: nothing to do, no error
+
+
+def test_stop_pid_takes_a_zombie_for_stopped() -> None:
+    """A process that exited and that its own parent has not reaped (a
+    launcher busy elsewhere) is a zombie: stopped, though its pid exists.
+    It used to be "still running" after both deadlines (False), because
+    psutil's wait on a non-child polls for the pid. Here the zombie is the
+    child of a parent that sleeps instead of reaping it."""
+    from pgbase.procs import stop_pid
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import os, time\npid = os.fork()\nif pid == 0:\n    os._exit(0)\n"
+         "print(pid, flush=True)\ntime.sleep(300)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        zombie = psutil.Process(int(parent.stdout.readline()))
+        for _ in range(600):  # until the child has exited (at once, in practice)
+            if zombie.status() == psutil.STATUS_ZOMBIE:
+                break
+            time.sleep(0.05)
+        assert zombie.status() == psutil.STATUS_ZOMBIE and zombie.ppid() == parent.pid
+        assert stop_pid(zombie.pid, term_s=0.5, kill_s=0.5)
+        assert parent.poll() is None, "only the zombie was the target"
+    finally:
+        parent.kill()
+        parent.wait()

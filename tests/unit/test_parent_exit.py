@@ -93,6 +93,39 @@ def test_daemon_stops_and_cleans_up_when_its_starter_is_killed(promoted, tmp_pat
                 os.kill(p, signal.SIGKILL)
 
 
+# The bench's own daemon starter (rows daemon_weight_load, daemon_peak_memory).
+BENCH_STARTER = textwrap.dedent("""
+    import json, os, sys, time
+    from pathlib import Path
+    from harness.bench.daemon import _Daemon
+    ckpt, root = sys.argv[1:3]
+    d = _Daemon(Path(ckpt), Path(root), dict(os.environ), "--stage", "raw")
+    print(json.dumps(d.ready), flush=True)
+    time.sleep(3600)
+""")
+
+
+def test_a_bench_daemon_stops_when_the_bench_is_killed(promoted, tmp_path: Path) -> None:
+    """A SIGKILLed ``preload-gate bench`` left its rows' daemons resident
+    (started without --exit-with-parent; new-user F7's sibling). The control
+    that the kill alone stops nothing is the test below."""
+    ckpt, root = promoted
+    starter = subprocess.Popen([sys.executable, "-c", BENCH_STARTER, str(ckpt), str(root)], stdout=subprocess.PIPE,
+                               text=True, env=_env(tmp_path / "cache"), cwd=REPO)
+    ready = _read_line(starter)
+    pids = [int(ready["pid"]), int(ready["ranks"][0]["pid"])]
+    try:
+        starter.kill()
+        starter.wait()
+        assert wait_for(lambda: all(process_gone(p) for p in pids), BOUND_S), \
+            "the bench's daemon is still running after the bench was killed"
+        assert wait_for(lambda: not Path(ready["socket_dir"]).exists(), BOUND_S)
+    finally:
+        for p in pids:
+            if not process_gone(p):
+                os.kill(p, signal.SIGKILL)
+
+
 def test_control_a_daemon_without_the_flag_outlives_its_starter(promoted, tmp_path: Path) -> None:
     """Control: the same kill without --exit-with-parent leaves the daemon
     serving, so the test above sees the flag's work and not something else
