@@ -3,8 +3,9 @@
 A 64-character value that is not hex (``BAD``) is the row that matters: it
 has the right length, so a check of the length alone lets it through. Each
 entry refuses it in one line naming its flag or field (a verb: exit 2);
-each has a control where a good value, here upper case, is accepted and
-read as lower case, so the refusal is the digest check's doing.
+each has a control where a good value is accepted (upper case, read as
+lower case, wherever the entry hands the digest back), so the refusal is the
+digest check's doing.
 
 The flags (``preload --expect-digest``, ``canary check --expect-digest``)
 are rows of tests/unit/test_cli_bad_input.py, which also checks that nothing
