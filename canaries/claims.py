@@ -9,7 +9,6 @@ appends one JSON line per load), or from the daemon's ``/metrics``
 
 from __future__ import annotations
 
-import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -17,10 +16,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from canaries.errors import GoldenError
+from canaries.errors import GoldenError, read_digest
 from preload.events import read_events
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _RANK_UP = "preload_gate_rank_up"
 
 
@@ -33,10 +31,8 @@ class Claim:
 
 
 def expected(digest: str) -> Claim:
-    d = digest.strip().lower()
-    if not _HEX64.match(d):
-        raise GoldenError(f"--expect-digest must be 64 hex characters, got {digest!r}")
-    return Claim(d, "--expect-digest")
+    """The operator's ``--expect-digest``, read by :func:`pgbase.digest_text.parse_digest`."""
+    return Claim(read_digest(digest, "--expect-digest"), "--expect-digest")
 
 
 def from_events_file(path: str | Path) -> Claim:
@@ -69,9 +65,9 @@ def from_events_file(path: str | Path) -> Claim:
         raise GoldenError(
             f"events file {p}: last load ended in {outcome!r} ({event.get('reason')}); the replica serves nothing to check"
         )
-    digest = str(event.get(field) or "").lower()
-    if not _HEX64.match(digest):
-        raise GoldenError(f"events file {p}: last {outcome} event has no valid {field}")
+    if event.get(field) in (None, ""):
+        raise GoldenError(f"events file {p}: last {outcome} event has no {field}")
+    digest = read_digest(event[field], f"events file {p}: last {outcome} event's {field}")
     return Claim(digest, f"load event ({outcome}) in {p}")
 
 
@@ -82,15 +78,14 @@ def parse_metrics(text: str, source: str) -> Claim:
     parser; the claim is the ``digest`` label of every ``rank_up`` sample
     whose value is 1. Raises :class:`GoldenError` when the text does not
     parse (the parser's reason in the message), when no serving rank carries
-    a 64-hex digest, or when the ranks disagree.
+    a digest or one carries a malformed one, or when the ranks disagree.
     """
     digests = set()
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                d = sample.labels.get("digest", "").lower()
-                if sample.name == _RANK_UP and sample.value == 1 and _HEX64.match(d):
-                    digests.add(d)
+                if sample.name == _RANK_UP and sample.value == 1 and "digest" in sample.labels:
+                    digests.add(read_digest(sample.labels["digest"], f"{source}: a serving rank's digest label"))
     except ValueError as exc:
         raise GoldenError(f"{source}: not Prometheus text exposition ({str(exc) or 'a malformed line'}); "
                           "point --metrics-url at a preload daemon's /metrics") from exc

@@ -13,7 +13,13 @@ import logging
 import sys
 
 from canaries.errors import GoldenError
-from pgbase.cliargs import nonnegative_float, nonnegative_int, positive_float, positive_int
+from pgbase.cliargs import (
+    digest_arg,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                "a golden recorded under others is refused; unstated ones are not compared)")
     add_arguments(fit, stated_only=True)
     claim = c.add_mutually_exclusive_group()
-    claim.add_argument("--expect-digest", default=None, help="the content digest every replica must serve")
+    claim.add_argument("--expect-digest", default=None, type=digest_arg,
+                       help="the content digest every replica must serve (64 hex, as promote prints it)")
     claim.add_argument("--events-file", action="append", default=None, dest="events_files",
                        help="a replica's load events file; one for all replicas, or one per --base-url in order")
     claim.add_argument("--metrics-url", action="append", default=None, dest="metrics_urls",

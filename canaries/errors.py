@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
-from pgbase.errors import PreloadGateError
+from pgbase.digest_text import parse_digest
+from pgbase.errors import DigestFormatError, PreloadGateError
 
 
 class GoldenError(PreloadGateError):
     """A golden file or a prompt set is missing, malformed, or cannot be recorded."""
+
+
+def read_digest(value: object, field: str) -> str:
+    """``value`` by :func:`pgbase.digest_text.parse_digest` (lower case); a
+    refusal is a GoldenError, this layer's type for bad input, naming ``field``."""
+    try:
+        return parse_digest(value, field)
+    except DigestFormatError as exc:
+        raise GoldenError(str(exc)) from exc
 
 
 class GoldenRefusedError(PreloadGateError):

@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 
-from canaries.errors import GoldenError
+from canaries.errors import GoldenError, read_digest
 from canaries.prompts import DEFAULT_PROMPTS
 from pgbase import atomic
 from pgbase.procs import stop_group
@@ -150,7 +150,7 @@ class Golden:
         except SettingsError as exc:
             raise GoldenError(f"{source}: {exc}") from exc
         golden = replace(
-            golden, digest=_digest(golden.digest, "digest", source),
+            golden, digest=read_digest(golden.digest, f"{source}: digest"),
             config_digest=_optional_digest(golden.config_digest, "config_digest", source),
             tokenizer_digest=_optional_digest(golden.tokenizer_digest, "tokenizer_digest", source),
         )
@@ -161,16 +161,8 @@ class Golden:
         return golden
 
 
-def _digest(value: str, name: str, source: str) -> str:
-    """A SHA-256 hex digest, lower-cased (our writers write lower case)."""
-    d = value.lower()
-    if len(d) != 64 or any(c not in "0123456789abcdef" for c in d):
-        raise GoldenError(f"{source}: {name} is not 64 hex characters")
-    return d
-
-
 def _optional_digest(value: str | None, name: str, source: str) -> str | None:
-    return None if value is None else _digest(value, name, source)
+    return None if value is None else read_digest(value, f"{source}: {name}")
 
 
 def _prompt_from_json(p: Any, sampling: Sampling, where: str) -> GoldenPrompt:

@@ -9,6 +9,8 @@ One module per concern, each importable without torch or vLLM:
 - :mod:`pgbase.fileset`: which weight files vLLM's loader reads;
 - :mod:`pgbase.shards`: that shard set and each shard's safetensors header,
   valid by the safetensors library's own rules.
+- :mod:`pgbase.digest_text`: the one reader of a SHA-256 digest handed to
+  us as text (a flag, a config key, a manifest, a golden, a reply);
 - :mod:`pgbase.procs`: stopping a child's whole process group (SIGTERM,
   wait, SIGKILL, reap the leader).
 

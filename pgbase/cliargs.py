@@ -1,4 +1,4 @@
-"""argparse ``type=`` callables for numeric flags, shared by every verb.
+"""argparse ``type=`` callables for numeric and digest flags, shared by every verb.
 
 A count, a size, a port or a timeout the user types wrong is refused at
 parse time, as one usage line naming the flag (argparse prefixes
@@ -16,6 +16,9 @@ import argparse
 import math
 from collections.abc import Callable
 from typing import TypeVar
+
+from pgbase.digest_text import parse_digest
+from pgbase.errors import DigestFormatError
 
 N = TypeVar("N", int, float)
 
@@ -66,3 +69,12 @@ positive_float = _flag("positive_float", "A number > 0 (seconds).", _float,
                        lambda x: x > 0, "{:g} is not a positive number; give more than 0")
 nonnegative_float = _flag("nonnegative_float", "A number >= 0 (tolerances).", _float,
                           lambda x: x >= 0, "{:g} is negative; give 0 or more")
+
+
+def digest_arg(value: str) -> str:
+    """A SHA-256 content digest (``--expect-digest``), lower-cased, by
+    :func:`pgbase.digest_text.parse_digest`'s one rule."""
+    try:
+        return parse_digest(value, "")
+    except DigestFormatError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -30,6 +30,17 @@ class ManifestError(PreloadGateError):
     """A manifest is missing, unreadable, or stale for the checkpoint."""
 
 
+class DigestFormatError(PreloadGateError, ValueError):
+    """A digest someone handed us (a flag, a config key, a file, a reply) is
+    not 64 hex characters; ``field`` names where it came from. Raised by
+    :func:`pgbase.digest_text.parse_digest` only; a ValueError too, so code
+    that refuses bad values by that type keeps refusing this one."""
+
+    def __init__(self, message: str, field: str) -> None:
+        self.field = field
+        super().__init__(message)
+
+
 class DigestMismatchError(PreloadGateError):
     """Bytes read do not hash to the digest they were asked to match."""
 

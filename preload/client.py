@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pgbase.digest_text import parse_digest
 from pgbase.errors import CacheKeyMismatchError, ProtocolError, WeightCacheUnavailableError
 from preload import protocol
 from preload.identity.key import WeightCacheKey
@@ -126,11 +127,12 @@ class DaemonClient:
                 err.daemon_digest = body.get("digest")  # type: ignore[attr-defined]
                 raise err
             try:
+                digest = parse_digest(body["digest"], "its digest")  # DigestFormatError is a ValueError
                 layout = Layout.from_json(body["entries"], int(body["total_bytes"]))
                 daemon_key = WeightCacheKey.from_json(body["key"])
                 aliases = {str(k): str(v) for k, v in dict(body.get("aliases") or {}).items()}
                 descriptor = dict(body["descriptor"])
-                state = State(layout, aliases, descriptor, frame.fds, str(body["digest"]),
+                state = State(layout, aliases, descriptor, frame.fds, digest,
                               str(body["daemon_id"]), str(body["stage"]), daemon_key,
                               {str(k): str(v) for k, v in dict(body.get("checksums") or {}).items()})
             except (KeyError, TypeError, ValueError) as exc:

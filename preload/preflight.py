@@ -25,6 +25,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from pgbase.digest_text import SHORT_CHARS
 from pgbase.errors import PreflightError, PreloadGateError
 from preload import trust
 from preload.preflight_vllm import (
@@ -38,7 +39,6 @@ from preload.preflight_vllm import (
 
 # sun_path is 108 bytes on Linux, one of them the terminating NUL.
 AF_UNIX_MAX = 107
-_DIGEST_PREFIX = 16
 
 
 def socket_path_problem(path: str | os.PathLike[str]) -> str | None:
@@ -57,9 +57,9 @@ def check_socket_root(root: str | os.PathLike[str], ranks: Iterable[int] = (0,),
     exist yet is proven creatable by making and removing a directory beside it."""
     r = Path(root)
     for rank in ranks:
-        problem = socket_path_problem(r / ("0" * _DIGEST_PREFIX) / f"rank{rank}.sock")
+        problem = socket_path_problem(r / ("0" * SHORT_CHARS) / f"rank{rank}.sock")
         if problem:
-            raise PreflightError(problem.replace(f"{r}/{'0' * _DIGEST_PREFIX}", f"{r}/<digest16>"))
+            raise PreflightError(problem.replace(f"{r}/{'0' * SHORT_CHARS}", f"{r}/<digest16>"))
     parent = r.parent
     if not parent.is_dir():
         raise PreflightError(f"the socket root's parent directory {parent} does not exist; "
@@ -196,11 +196,9 @@ def check_cache_dir(cache_dir: str | os.PathLike[str] | None, checkpoint: str | 
     # everywhere (even under /proc), so the directory is made here, 0700, as
     # the write would make it: a cache that cannot exist fails before hashing.
     # What this made is removed again (a refusal later leaves nothing behind).
-    from preload.identity.manifest import prepare_manifest_dir
-
     made = [d for d in (mdir, *mdir.parents) if not os.path.lexists(d)]
     try:
-        prepare_manifest_dir(mdir)
+        trust.prepare_manifest_dir(mdir)
         for d in made:  # deepest first; only the empty levels this call made
             with contextlib.suppress(OSError):
                 os.rmdir(d)

@@ -21,10 +21,11 @@ import struct
 import tempfile
 from pathlib import Path
 
+from pgbase.digest_text import SHORT_CHARS, parse_digest, short_digest
 from pgbase.errors import InsecureSocketError
 from preload import trust
 
-DIGEST_PREFIX = 16
+DIGEST_PREFIX = SHORT_CHARS  # a directory is named by a prefix; the full digest is the identity
 
 
 # Every session of one user must find the same daemons: a login shell, cron,
@@ -75,10 +76,10 @@ def legacy_socket_roots() -> list[Path]:
 
 
 def socket_dir(digest: str, root: str | os.PathLike[str] | None = None) -> Path:
-    """``<root>/<digest[:16]>``; the digest is lower-case hex SHA-256."""
-    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-        raise ValueError(f"not a SHA-256 hex digest: {digest!r}")
-    return Path(root or default_socket_root()) / digest[:DIGEST_PREFIX]
+    """``<root>/<digest[:16]>``; ``digest`` is read by
+    :func:`pgbase.digest_text.parse_digest` (DigestFormatError, a ValueError,
+    for anything but 64 hex), so either case names one directory."""
+    return Path(root or default_socket_root()) / short_digest(parse_digest(digest, "socket directory digest"))
 
 
 def socket_path(directory: str | os.PathLike[str], global_rank: int) -> Path:

@@ -13,11 +13,12 @@ path and the command that fixes it.
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from pathlib import Path
 
-from pgbase.errors import InsecureSocketError
+from pgbase.errors import InsecureSocketError, WriteError
 
 # Test-only switch for the negative controls (``unsafe_identity``,
 # ``unsafe_silent_fallback``, ``preload --unsafe-identity``): without it they
@@ -120,3 +121,24 @@ def ensure_private_dir(directory: str | os.PathLike[str], what: str = "directory
     for p in reversed(chain):
         verify_private_dir(p, what)
     return d
+
+
+def prepare_manifest_dir(directory: Path) -> None:
+    """The manifests directory exists, is ours and is 0700: manifests decide
+    which daemon an engine trusts. Made before ``promote`` hashes (its
+    preflight) and again when it writes; :class:`WriteError` when it cannot be."""
+    try:
+        directory.parent.mkdir(0o700, parents=True, exist_ok=True)  # cache dir 0700: umask 002 made 0775
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise WriteError(str(directory), exc) from exc
+    st = os.lstat(directory)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077:
+        # Our own directory from a version that made it 0755: tighten it on
+        # the next promote (a foreign or symlinked one is still refused).
+        os.chmod(directory, 0o700)
+        logging.getLogger("preload.identity").warning(
+            "tightened the manifest directory %s to 0700 (it was %04o)", directory, stat.S_IMODE(st.st_mode))
+    verify_private_dir(directory, "manifest directory")

@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pgbase.cliargs import fixed_port, nonnegative_int, port, positive_int
+from pgbase.cliargs import digest_arg, fixed_port, nonnegative_int, port, positive_int
+from pgbase.digest_text import short_digest
 from pgbase.errors import PreloadGateError
 
 
@@ -55,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--identity", choices=IDENTITY_MODES, default="stat",
                    help="where the digest to prove comes from: the manifest (stat), --expect-digest "
                    "(pinned), or none: serve what the bytes hash to (full)")
-    p.add_argument("--expect-digest", default=None, help="refuse to serve unless the bytes hash to this")
+    p.add_argument("--expect-digest", default=None, type=digest_arg,
+                   help="refuse to serve unless the bytes hash to this (64 hex, as promote prints it)")
     p.add_argument("--health-port", type=port, default=None, help="serve /health and /metrics (off by default)")
     p.add_argument("--health-host", default="127.0.0.1")
     p.add_argument("--unsafe-identity", choices=UNSAFE_IDENTITIES, default=None,
@@ -202,7 +204,7 @@ def _status(args: argparse.Namespace) -> int:
     for bad in refused:
         print(f"note: not following {bad['path']}: {bad['error']}")
     for r in elsewhere:
-        print(f"note: a daemon serves {r['digest'][:16]} under {Path(r['socket']).parent.parent}, not the "
+        print(f"note: a daemon serves {short_digest(r['digest'])} under {Path(r['socket']).parent.parent}, not the "
               f"socket root {default_socket_root()}; engines will not find it: restart it, or set "
               "PRELOAD_GATE_SOCKET_ROOT to that directory everywhere")
     if not ranks:
@@ -225,7 +227,7 @@ def _status(args: argparse.Namespace) -> int:
         misses = sum(r["misses"].values())
         # Engines find a daemon outside the default root only when told where it is.
         where = "" if Path(r["socket_root"]) == default else f"  socket_root={r['socket_root']}"
-        print(f"{r['digest'][:16]} rank {r['rank']} pid {r['pid']} {r['stage']}/{r['transport']} "
+        print(f"{short_digest(r['digest'])} rank {r['rank']} pid {r['pid']} {r['stage']}/{r['transport']} "
               f"{r['resident_bytes']} bytes, {r['attached']} attached, {r['hits']} hits, {misses} misses  "
               f"{r['checkpoint']}{where}")
     return 0

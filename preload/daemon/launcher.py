@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pgbase.digest_text import parse_digest
 from pgbase.errors import ManifestError, PreloadGateError
 from pgbase.ports import free_port
 from preload.daemon.parent import INTERVAL_S as PARENT_POLL_S
@@ -74,11 +75,8 @@ class PreloadOptions(DaemonSettings):
 
 def expected_digest(opts: PreloadOptions) -> tuple[str | None, str]:
     """What the daemon is asked to serve, and where that came from."""
-    if opts.expect_digest:
-        d = opts.expect_digest.lower()
-        if len(d) != 64 or any(c not in "0123456789abcdef" for c in d):
-            raise ManifestError(f"--expect-digest must be 64 hex characters, got {opts.expect_digest!r}")
-        return d, "--expect-digest"
+    if opts.expect_digest is not None:
+        return parse_digest(opts.expect_digest, "--expect-digest"), "--expect-digest"
     if opts.identity == "pinned":
         raise ManifestError("--identity pinned needs --expect-digest (the digest printed by promote)")
     if opts.identity == "stat":

@@ -30,19 +30,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shlex
-import stat
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from pgbase import atomic
-from pgbase.errors import CheckpointError, ManifestError, WriteError
+from pgbase.digest_text import parse_digest
+from pgbase.errors import CheckpointError, DigestFormatError, ManifestError
 from pgbase.fileset import select_files, servable
 from pgbase.shards import INDEX_NAME, check_unique_tensors, read_header
 from preload import trust
@@ -112,6 +111,7 @@ class Manifest:
         except msgspec.ValidationError as exc:
             raise ManifestError(
                 f"{source} is malformed ({exc}); run: {promote_command(checkpoint)}") from exc
+        manifest = _read_digests(manifest, source)
         # The digest an engine trusts is the one its own shard list implies: an
         # edited "digest" (another checkpoint's, or no digest at all) is refused.
         implied = checkpoint_digest({r.name: r.sha256 for r in manifest.shards})
@@ -124,6 +124,18 @@ class Manifest:
 
 class _Versioned(msgspec.Struct):
     version: Any
+
+
+def _read_digests(m: Manifest, source: str) -> Manifest:
+    """``m`` with every digest it holds read by :func:`parse_digest` (lower case)."""
+    where = f"{source} is malformed:"
+    try:
+        shards = tuple(replace(r, sha256=parse_digest(r.sha256, f"{where} shard {r.name}'s sha256")) for r in m.shards)
+        config = None if m.config_digest is None else parse_digest(m.config_digest, f"{where} config_digest")
+        digest = parse_digest(m.digest, f"{where} digest")
+    except DigestFormatError as exc:
+        raise ManifestError(f"{exc}; run: {promote_command(m.checkpoint)}") from exc
+    return replace(m, shards=shards, config_digest=config, digest=digest)
 
 
 def default_cache_dir(env: bool = True) -> Path:
@@ -224,29 +236,9 @@ def build_manifest(
 
 def write_manifest(manifest: Manifest, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     path = manifest_path(manifest.checkpoint, cache_dir)
-    prepare_manifest_dir(path.parent)
+    trust.prepare_manifest_dir(path.parent)
     atomic.write_json(path, manifest.to_json(), mode=0o600)
     return path
-
-
-def prepare_manifest_dir(directory: Path) -> None:
-    """The manifests directory exists, is ours and is 0700 (manifests decide
-    which daemon an engine trusts: :mod:`preload.trust`)."""
-    try:
-        directory.parent.mkdir(0o700, parents=True, exist_ok=True)  # cache dir 0700: umask 002 made 0775
-        os.mkdir(directory, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise WriteError(str(directory), exc) from exc
-    st = os.lstat(directory)
-    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077:
-        # Our own directory from a version that made it 0755: tighten it on
-        # the next promote (a foreign or symlinked one is still refused).
-        os.chmod(directory, 0o700)
-        logging.getLogger("preload.identity").warning(
-            "tightened the manifest directory %s to 0700 (it was %04o)", directory, stat.S_IMODE(st.st_mode))
-    trust.verify_private_dir(directory, "manifest directory")
 
 
 def load_manifest(
@@ -381,6 +373,8 @@ def resolve_digest(
 
     ``stat`` raises :class:`StaleManifestError` for a missing or stale
     manifest; it never hashes the checkpoint and never writes a manifest.
+    ``pinned`` reads ``expected_digest`` by :func:`parse_digest` (either
+    case, returned lower case; anything but 64 hex is a DigestFormatError).
 
     >>> resolve_digest("/models/smollm2", mode="pinned", expected_digest="ab" * 32).source  # doctest: +SKIP
     'pinned'
@@ -388,9 +382,9 @@ def resolve_digest(
     if mode not in MODES:
         raise ValueError(f"identity mode {mode!r} is not one of {', '.join(MODES)}")
     if mode == "pinned":
-        if not expected_digest or len(expected_digest) != 64:
-            raise ManifestError("identity mode 'pinned' needs expected_digest (64 hex chars from promote)")
-        return Resolution(expected_digest.lower(), mode, "pinned")
+        if expected_digest is None:
+            raise ManifestError("identity mode 'pinned' needs expected_digest (the digest promote prints)")
+        return Resolution(parse_digest(expected_digest, "expected_digest (identity 'pinned')"), mode, "pinned")
     if mode == "stat":
         manifest = check_fresh(checkpoint, load_manifest(checkpoint, cache_dir), cache_dir)
         return Resolution(manifest.digest, mode, "manifest")

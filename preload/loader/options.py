@@ -12,7 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from pgbase.errors import PreloadGateError
+from pgbase.digest_text import parse_digest
+from pgbase.errors import DigestFormatError, PreloadGateError
 from preload.identity.manifest import MODES as IDENTITIES
 from preload.trust import UNSAFE_CONTROLS_ENV, UNSAFE_IDENTITIES, unsafe_controls_allowed
 
@@ -69,10 +70,12 @@ class LoaderOptions:
             raise LoaderConfigError(f"{LOAD_FORMAT} identity {opts.identity!r} is not one of {', '.join(IDENTITIES)}")
         if opts.identity == "pinned" and not opts.expected_digest:
             raise LoaderConfigError(f"{LOAD_FORMAT} identity 'pinned' needs expected_digest")
-        if opts.expected_digest is not None and not _is_sha256_hex(opts.expected_digest):
-            raise LoaderConfigError(
-                f"{LOAD_FORMAT} expected_digest must be 64 hex characters (the digest printed by "
-                f"preload-gate promote), got {opts.expected_digest[:80]!r}")
+        if opts.expected_digest is not None:
+            try:
+                digest = parse_digest(opts.expected_digest, f"{LOAD_FORMAT} extra config 'expected_digest'")
+            except DigestFormatError as exc:
+                raise LoaderConfigError(str(exc)) from exc
+            opts = dataclasses.replace(opts, expected_digest=digest)
         if opts.unsafe_identity is not None and opts.unsafe_identity not in UNSAFE_IDENTITIES:
             raise LoaderConfigError(f"{LOAD_FORMAT} unsafe_identity must be "
                                     f"{' or '.join(map(repr, UNSAFE_IDENTITIES))}")
@@ -83,8 +86,4 @@ class LoaderOptions:
                     f"{LOAD_FORMAT} extra config {name!r} is a negative control for tests only; it is "
                     f"refused unless {UNSAFE_CONTROLS_ENV}=1 is set (never in production)")
         return opts
-
-
-def _is_sha256_hex(value: str) -> bool:
-    return len(value) == 64 and all(c in "0123456789abcdefABCDEF" for c in value)
 

@@ -321,7 +321,8 @@ def test_claim_from_events_file(tmp_path: Path) -> None:
     assert from_events_file(p).digest == OTHER  # last event, a miss: the disk's content
     for text, msg in ((_event("error"), "serves nothing"), ("", "no load event"), ("{x\n", "not JSON"),
                       (_event("hit") + "[1]\n", "not a JSON object"), (b"\xff\n", "not UTF-8"),
-                      (_event("hit", daemon="zz"), "no valid daemon_digest")):
+                      (_event("hit", daemon="zz"), "daemon_digest 'zz' is not a SHA-256 digest"),
+                      (_event("hit", daemon=""), "has no daemon_digest")):
         p.write_bytes(text if isinstance(text, bytes) else text.encode())
         with pytest.raises(GoldenError, match=msg):
             from_events_file(p)

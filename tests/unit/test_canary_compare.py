@@ -141,7 +141,7 @@ def test_golden_round_trips_and_keys_on_everything_that_decides_answers(tmp_path
         (lambda o: o["prompts"][0].update(token_ids=["5", 6, 7]), r"got `str` - at `\$.prompts\[0\].token_ids\[0\]`"),
         (lambda o: o["sampling"].update(ignore_eos=1), r"got `int` - at `\$.sampling.ignore_eos`"),
         (lambda o: o.update(settings={"dtype": "float16", "tp": 2}), r"unknown fields \['tp'\]"),
-        (lambda o: o.update(config_digest="CD" * 31), "config_digest is not 64 hex"),
+        (lambda o: o.update(config_digest="CD" * 31), "config_digest 'CDCD.* is 62 characters, not 64"),
         (lambda o: o.update(prompts=[]), "no prompt"),
         (lambda o: o["prompts"][0].update(token_ids=[1]), "max_tokens=3"),
         (lambda o: o["sampling"].update(temperature=0.7), "temperature must be 0"),

@@ -126,6 +126,13 @@ BAD = [
     ("preload", ["preload", "{ckpt}", "--stage", "raw", "--unsafe-identity", "header_only"], None,
      "PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS=1"),
     ("preload", ["preload", "{ckpt}", "--stage", "raw", "--expect-digest", "xyz"], None, "64 hex"),
+    # A digest is read by one rule (pgbase.digest_text): the right length is not enough, nothing is stripped.
+    ("preload", ["preload", "{ckpt}", "--stage", "raw", "--expect-digest", "g" * 64], None,
+     "argument --expect-digest: 'gggg"),
+    ("canary", ["canary", "check", "--base-url", "http://127.0.0.1:9", "--golden", "{base}/nope.json",
+                "--expect-digest", "g" * 64], None, "argument --expect-digest: 'gggg"),
+    ("canary", ["canary", "check", "--base-url", "http://127.0.0.1:9", "--golden", "{base}/nope.json",
+                "--expect-digest", "ab" * 32 + "\n"], None, "surrounding whitespace"),
     # --dry-run runs the start's own checks (the tiny model: 2 heads, 1 KV head).
     ("preload", ["preload", "{ckpt}", "--dry-run", "--health-port", "{port}"], None, "already in use"),
     ("preload", ["preload", "{ckpt}", "--dry-run", "--dtype", "bf16"], None, "is not a dtype vLLM takes"),

@@ -22,6 +22,9 @@ TABLE = [
     ("fixed_port", "0", "0 is not a TCP port; give 1-65535", "65535", 65535),
     ("positive_float", "0", "0 is not a positive number; give more than 0", "0.001", 0.001),
     ("nonnegative_float", "-0.5", "-0.5 is negative; give 0 or more", "0", 0.0),
+    # A digest, by pgbase.digest_text's one rule (its own table: test_digest_text.py).
+    ("digest_arg", "g" * 64, "character 1 ('g') is not hex", "AB" * 32, "ab" * 32),
+    ("digest_arg", "ab" * 32 + " ", "surrounding whitespace", "ab" * 32, "ab" * 32),
     # The parse itself, before any bound.
     ("positive_int", "1.5", "'1.5' is not an integer", "15", 15),
     ("positive_float", "nan", "'nan' is not a finite number", "1e3", 1000.0),

@@ -41,7 +41,7 @@ def test_every_documented_key_parses(monkeypatch):
     ({"connect_timeout_s": True}, "positive number"),
     ({"unsafe_identity": "sampled_1k"}, "must be 'header_only'"),
     ({"socket_root": 5}, "must be a string"),
-    ({"identity": "pinned", "expected_digest": "g" * 64}, "must be 64 hex characters"),
+    ({"identity": "pinned", "expected_digest": "g" * 64}, "'expected_digest' 'gggg.* is not hex"),
 ])
 def test_bad_extra_config_is_one_clear_error(extra, match):
     with pytest.raises(LoaderConfigError, match=match):

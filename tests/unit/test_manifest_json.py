@@ -48,6 +48,15 @@ def test_control_a_written_manifest_loads_as_it_was(tmp_path: Path) -> None:
     assert load_manifest(MANIFEST.checkpoint, tmp_path) == MANIFEST
 
 
+def test_upper_case_digests_in_a_manifest_read_as_lower_case(tmp_path: Path) -> None:
+    def upper(o: dict) -> None:
+        o["digest"] = o["digest"].upper()
+        for s in o["shards"]:
+            s["sha256"] = s["sha256"].upper()
+    _written(tmp_path, upper)
+    assert load_manifest(MANIFEST.checkpoint, tmp_path) == MANIFEST
+
+
 @pytest.mark.parametrize("edit, error, message", [
     (lambda o: o["shards"][0]["stat"].update(ino="4"), ManifestError,
      r"Expected `int`, got `str` - at `\$.shards\[0\].stat.ino`"),
@@ -59,7 +68,11 @@ def test_control_a_written_manifest_loads_as_it_was(tmp_path: Path) -> None:
     # The digest engines trust is the one the shard list implies: another
     # checkpoint's digest, or one of the wrong length, is refused.
     (lambda o: o.update(digest="9" * 64), ManifestError, "is not the one its shard list implies"),
-    (lambda o: o.update(digest="abc"), ManifestError, "its digest abc is not the one"),
+    (lambda o: o.update(digest="abc"), ManifestError, "malformed: digest 'abc' is not a SHA-256 digest"),
+    # Every digest in it is read by pgbase.digest_text's one rule, before the
+    # implied-digest check (which a non-hex shard list would pass, consistently).
+    (lambda o: o["shards"][0].update(sha256="g" * 64), ManifestError, r"shard .*'s sha256 'gggg.* is not hex"),
+    (lambda o: o.update(config_digest="c" * 63), ManifestError, "config_digest 'ccc.* is 63 characters"),
     (lambda o: o["shards"][0].update(sha256="0" * 64), ManifestError, "is not the one its shard list implies"),
 ])
 def test_a_bad_manifest_names_the_file_the_field_and_the_fix(tmp_path: Path, edit, error, message) -> None:
