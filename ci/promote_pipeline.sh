@@ -95,6 +95,7 @@ promote_args=(promote "$CANDIDATE" --json)
 [[ -n "$SOCKET_ROOT" ]] && promote_args+=(--socket-root "$SOCKET_ROOT")
 $PG "${promote_args[@]}" > "$OUT/promote.json" || die "promote failed (see above)"
 DIGEST=$(json_field "$OUT/promote.json" digest)
+[[ "$DIGEST" =~ ^[0-9a-f]{64}$ ]] || die "promote wrote digest '$DIGEST', not 64 lower-case hex characters (see $OUT/promote.json)"
 SOCKET_DIR=$(json_field "$OUT/promote.json" socket_dir)
 SOCKET_ROOT=$(dirname "$SOCKET_DIR")
 echo "digest $DIGEST" >&2

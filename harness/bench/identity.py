@@ -41,14 +41,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from harness.bench import (
-    BenchOptions,
-    BenchResult,
-    Figure,
-    bench_row,
-    progress,
-    scratch,
-)
+from harness.bench import BenchOptions, BenchResult, Figure, bench_row, progress, scratch
 from harness.bench import params as P
 from harness.bench.fuse_fs import FuseUnavailableError
 from harness.bench.remote_fs import IOCounts
