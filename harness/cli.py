@@ -65,10 +65,9 @@ def _bench(args: argparse.Namespace) -> int:
         for module, why in UNLOADED.items():
             print(f"{module:<20} rows not loaded: {why}")
         return 0
-    if args.out:
-        from preload.preflight import check_output_dir
+    from preload.preflight import check_output_dirs
 
-        check_output_dir(args.out, "--out")  # before the rows run, not after
+    check_output_dirs({"--out": args.out, "--workdir": args.workdir})  # before the rows run, not after
     params = {}
     for item in args.param:
         key, sep, value = item.partition("=")

@@ -34,7 +34,7 @@ from harness.report import write_reports
 from harness.report.matrix import build_matrix, print_matrix, render_matrix_html
 from harness.report.terminal import TerminalProgress
 from pgbase import atomic
-from preload.preflight import check_output_dir
+from preload.preflight import check_output_dirs
 
 MODELS = ("auto", "tiny", "smollm2")
 DEMO_TARGETS = ("verified_cache", "header_only", "sharded_state", "npcache", "ipc_cache")
@@ -92,7 +92,8 @@ def run_demo(model: str = "auto", report_dir: str = "preload-gate-report", mutat
     progress = TerminalProgress()
     t0 = time.monotonic()
     model = pick_model(model)
-    check_output_dir(report_dir, "--report")  # before the scratch dir, the fixture and the engines
+    # Before the scratch dir, the fixture and the engines.
+    check_output_dirs({"--report": report_dir, "--workdir": workdir, "--reference-cache": reference_cache})
     scratch = Path(workdir or tempfile.mkdtemp(prefix="preload-gate-demo-"))
     cases = mutations if mutations and mutations != "all" else ",".join(DEMO_CASES)
     out = Path(report_dir)

@@ -245,6 +245,16 @@ def check_output_dir(path: str | os.PathLike[str], flag: str) -> None:
                              f"({exc.strerror or exc}); choose a writable {flag} directory") from exc
 
 
+def check_output_dirs(dirs: dict[str, str | os.PathLike[str] | None]) -> None:
+    """:func:`check_output_dir` for each ``{flag: path}`` given (None: not
+    asked for), in order, before a verb runs anything: a file in the way or a
+    place mkdir refuses is one line naming the flag, never a traceback after
+    the engines ran."""
+    for flag, path in dirs.items():
+        if path:
+            check_output_dir(path, flag)
+
+
 def _own_real_dir(path: Path) -> bool:
     st = os.lstat(path)
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
@@ -300,7 +310,7 @@ def preflight_promote(checkpoint: str | os.PathLike[str], socket_root: str | os.
 
 __all__ = [
     "AF_UNIX_MAX", "VLLM_DTYPES", "PreflightError", "check_cache_dir", "check_cache_root", "check_checkpoint",
-    "check_cuda", "check_dtype", "check_engine_choices", "check_output_dir", "check_pipeline_parallel", "check_port",
+    "check_cuda", "check_dtype", "check_engine_choices", "check_output_dir", "check_output_dirs", "check_pipeline_parallel", "check_port",
     "check_rank_locks", "check_socket_root", "check_tensor_parallel", "model_heads", "preflight_daemon",
     "preflight_promote", "socket_path_problem",
 ]

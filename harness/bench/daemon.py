@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.bench import BenchError, BenchOptions, BenchResult, Figure, bench_row, default_workdir
+from harness.bench import BenchError, BenchOptions, BenchResult, Figure, bench_row, scratch
 from harness.bench import params as P
 from harness.engine import EngineResult, EngineSpec, run_engine
 from preload.daemon.ready import READY, NotReadyError, start_preload, stop_daemon, wait_ready
@@ -101,7 +101,7 @@ def daemon_weight_load(options: BenchOptions) -> list[BenchResult]:
     from preload.promote import promote
 
     model = options.value("model")
-    work = Path(tempfile.mkdtemp(prefix="pg-bench-d-", dir=options.workdir or default_workdir()))
+    work = scratch(options, "pg-bench-d-")
     root = Path(tempfile.mkdtemp(prefix="pg-b-", dir="/tmp"))
     env = dict(os.environ, PRELOAD_GATE_CACHE=str(work / "cache"), VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("PRELOAD_GATE_EVENTS", None)
@@ -188,7 +188,7 @@ def _weight_bytes(ckpt: Path) -> int:
 def daemon_peak_memory(options: BenchOptions) -> list[BenchResult]:
     from harness.bench.synthetic import write_synthetic
 
-    work = Path(tempfile.mkdtemp(prefix="pg-bench-m-", dir=options.workdir or default_workdir()))
+    work = scratch(options, "pg-bench-m-")
     root = Path(tempfile.mkdtemp(prefix="pg-b-", dir="/tmp"))
     env = dict(os.environ, PRELOAD_GATE_CACHE=str(work / "cache"), VLLM_CPU_KVCACHE_SPACE="1")
     size = options.value("size")

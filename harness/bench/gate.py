@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
-from pathlib import Path
 
-from harness.bench import BenchOptions, BenchResult, Figure, bench_row
+from harness.bench import BenchOptions, BenchResult, Figure, bench_row, scratch
 from harness.bench import params as P
 
 
@@ -28,7 +26,7 @@ def gate_selftest(options: BenchOptions) -> list[BenchResult]:
 
     mutations = options.value("mutations")
     jobs = options.value("jobs")
-    work = Path(tempfile.mkdtemp(prefix="pg-bench-gate-", dir=options.workdir))
+    work = scratch(options, "pg-bench-gate-")
     try:
         ckpt = write_tiny(work / "tiny")
         runs = []

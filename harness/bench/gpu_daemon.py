@@ -12,12 +12,11 @@ from __future__ import annotations
 import shutil
 import statistics
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from harness.bench import BenchOptions, BenchResult, Figure, bench_row, default_workdir
+from harness.bench import BenchOptions, BenchResult, Figure, bench_row, scratch
 from harness.bench.gpu import GPU_PARAMS, cuda_time, gpu_params, median_ms
 from preload.daemon.ready import READY, NotReadyError, start_preload, wait_ready
 
@@ -46,7 +45,7 @@ def gpu_daemon_attach(options: BenchOptions) -> list[BenchResult]:
 
     tensors, reps = gpu_params(options)
     shards = max(1, min(8, tensors // 40))
-    work = Path(tempfile.mkdtemp(prefix="pg-gpu-", dir=options.workdir or default_workdir()))
+    work = scratch(options, "pg-gpu-")
     root = work / "sockets"
     root.mkdir(mode=0o700)
     try:

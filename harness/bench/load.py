@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.bench import BenchOptions, BenchResult, Figure, bench_row, default_workdir
+from harness.bench import BenchOptions, BenchResult, Figure, bench_row, scratch
 from harness.bench import params as P
 
 
@@ -141,9 +141,7 @@ def attach_load(options: BenchOptions) -> list[BenchResult]:
     rounds = options.value("rounds")
     size_mb = options.value("load_mb")
     shards = options.value("load_shards")
-    base = options.workdir or default_workdir()
-    base.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="pg-bench-load-", dir=base))
+    work = scratch(options, "pg-bench-load-")
     # AF_UNIX paths are short; keep the socket root under /tmp.
     sockets = Path(tempfile.mkdtemp(prefix="pg-load-", dir="/tmp"))
     try:

@@ -57,7 +57,7 @@ from harness.targets.checkpoints import weight_files
 from harness.verdict import NOT_RUN, PASS, Expectation, expected_outcome, judge
 from preload.deployment import DeploymentSettings
 from preload.identity.digest import content_digest
-from preload.preflight import check_output_dir
+from preload.preflight import check_output_dirs
 
 TARGETS = NAMES
 
@@ -84,8 +84,9 @@ def run_gate(opts: GateOptions) -> GateReport:
         opts = dataclasses.replace(opts, unsafe_identity=forced)
     candidate = Path(opts.candidate)
     weight_files(candidate)  # a missing or empty checkpoint is one clear line, before anything runs
-    if opts.report_dir:  # known now, not after the engines ran
-        check_output_dir(opts.report_dir, "--report")
+    # Every directory the run writes is known now, not after the engines ran.
+    check_output_dirs({"--report": opts.report_dir, "--workdir": opts.workdir,
+                       "--reference-cache": opts.reference_cache})
     self_test = opts.mutations is not None
     base = Path(opts.base) if (opts.base and self_test) else candidate
     if opts.base:

@@ -200,6 +200,25 @@ BAD = [
      "is not an http(s) URL"),
     ("status", ["status", "--socket-root", "{base}/afile"], None, "is not a directory"),
     ("bench", ["bench", "--out", "{base}/afile", "--only", "no_such_row"], None, "is not a directory"),
+    # Every directory a verb writes is checked before anything runs (it was a
+    # traceback after the fixture was written, or after the engines ran).
+    ("bench", ["bench", "--workdir", "{base}/afile", "--only", "no_such_row"], None,
+     "--workdir {base}/afile is not a directory"),
+    ("bench", ["bench", "--workdir", "/proc/pg-no-such-work", "--only", "no_such_row"], None, "cannot be written"),
+    # Control: a good --workdir passes that check and bench stops at its next one.
+    ("bench", ["bench", "--workdir", "{base}/cwd/w", "--only", "no_such_row"], None, "no_such_row"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--workdir", "{base}/afile"], None,
+     "--workdir {base}/afile is not a directory"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--workdir", "{base}/afile/sub"], None,
+     "its parent {base}/afile is not a directory"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--workdir", "/proc/pg-no-such-work"], None,
+     "cannot be written"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--reference-cache", "{base}/afile"], None,
+     "--reference-cache {base}/afile is not a directory"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "bogus", "--workdir", "{base}/cwd/w",
+              "--reference-cache", "{base}/cwd/refs"], None, "unknown mutation bogus"),
+    ("demo", ["demo", "--workdir", "{base}/afile"], None, "--workdir {base}/afile is not a directory"),
+    ("demo", ["demo", "--reference-cache", "/proc/pg-no-such-refs"], None, "cannot be written"),
 ]
 
 # Control for the rows above: the same flags with good values pass those checks.
@@ -217,7 +236,7 @@ GOOD_DRY_RUN = [
 @pytest.mark.parametrize("verb,argv,env,needle", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
 def test_bad_input_is_one_line_exit_2_nothing_written(world, verb, argv, env, needle):
     p, before, after = _run(world, argv, env)
-    check_refusal(p, before, after, needle)
+    check_refusal(p, before, after, needle.replace("{base}", str(world["base"])))
 
 
 # The values vLLM itself decides are asked of vLLM (preload.preflight): these
