@@ -162,6 +162,23 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
     return env
 
 
+def omp_bind(spec: EngineSpec, cores: Sequence[str]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` that runs ``spec`` on ``cores``: one
+    ``|``-separated entry per rank of the engine (DP x PP x TP), rank ``i`` on
+    ``cores[i % len(cores)]``. vLLM's rule (``OMPProcessManager.
+    _parse_omp_threads_bind_env``, vllm/utils/ompmultiprocessing.py): each
+    data-parallel engine core takes its slice ``[dp_rank * world, (dp_rank + 1)
+    * world]`` of the list, so a one-entry bind leaves DP rank 1 none and its
+    engine core fails to start ("Given number of CPU id list [] doesn't match
+    local world size 1").
+
+    >>> omp_bind(EngineSpec(checkpoint="/m", data_parallel_size=2), ["1"])
+    '1|1'
+    """
+    ranks = spec.data_parallel_size * spec.pipeline_parallel_size * spec.tensor_parallel_size
+    return "|".join(cores[i % len(cores)] for i in range(ranks))
+
+
 class CorePool:
     """The cores engines run on when several run side by side.
 
@@ -194,7 +211,7 @@ class CorePool:
         try:
             extra = dict(env or {})
             if self._bind and spec.tensor_parallel_size == 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                extra["VLLM_CPU_OMP_THREADS_BIND"] = core
+                extra["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(spec, [core])
             yield dataclasses.replace(spec, env={**spec.env, **extra}) if extra else spec
         finally:
             self._free.put(core)

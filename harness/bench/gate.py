@@ -12,7 +12,7 @@ import os
 import shutil
 import time
 
-from harness.bench import BenchOptions, BenchResult, Figure, bench_row, scratch
+from harness.bench import BenchError, BenchOptions, BenchResult, Figure, bench_row, scratch
 from harness.bench import params as P
 
 
@@ -36,6 +36,11 @@ def gate_selftest(options: BenchOptions) -> list[BenchResult]:
             report = run_gate(GateOptions(candidate=str(ckpt), mutations=mutations, jobs=jobs,
                                           workdir=str(work / f"gate-{label}"),
                                           reference_cache=str(work / "refcache"), record_golden=False))
+            if report.verdict != "PASS":  # a self-test that did not pass is not a time to report
+                blocked = ", ".join(c.name for c in report.cases if c.status == "BLOCK")
+                raise BenchError(f"gate_selftest: the {label} self-test's verdict is {report.verdict} "
+                                 f"(blocked: {blocked or 'none'}); see why with: preload-gate gate TINY "
+                                 f"--mutations {mutations} --jobs {jobs} --report DIR")
             runs.append({"label": label, "seconds": time.perf_counter() - t0, "verdict": report.verdict,
                          "counts": report.counts,
                          # cases with equal candidate bytes share one reference run
