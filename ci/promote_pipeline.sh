@@ -61,12 +61,21 @@ done
 [[ -d "$CANDIDATE" ]] || die "candidate $CANDIDATE is not a directory"
 CANDIDATE=$(cd "$CANDIDATE" && pwd -P)
 OUT=${OUT:-promotion-$(date -u +%Y%m%dT%H%M%SZ)-$$}
+OUT_MADE=0
+[[ -e "$OUT" ]] || OUT_MADE=1
 mkdir -p "$OUT" || die "cannot create --out $OUT"
 OUT=$(cd "$OUT" && pwd -P)
 # Claim OUT (noclobber: exactly one run creates the claim file).
 if ! (set -o noclobber; echo "$$" > "$OUT/.pipeline") 2>/dev/null; then
   die "$OUT was used by another run of this pipeline (pid $(cat "$OUT/.pipeline" 2>/dev/null || echo '?')); pass another --out"
 fi
+# A run that stops before the gate (bad arguments, a failed promote, the
+# promotion lock held) leaves nothing in OUT: the folder if this run made
+# it, else the files it wrote. From the gate on, OUT keeps what explains it.
+undo_out() {
+  if (( OUT_MADE )); then rm -rf -- "$OUT"; else rm -f -- "$OUT/.pipeline" "$OUT/promote.json"; fi
+}
+trap 'rc=$?; (( rc == 0 )) || undo_out' EXIT
 
 # The deployment settings among the engine arguments (preload.deployment
 # names them; each takes a value except --enable-expert-parallel).
@@ -109,6 +118,7 @@ if ! flock -n 9; then
 fi
 printf '%s\n%s\n' "$$" "$OUT" > "$LOCK_FILE.pid"
 
+trap - EXIT  # from here on OUT holds the gate's report (see undo_out above)
 # 2. Gate: cached engine vs auto on the candidate; any BLOCK stops here.
 step "gate $CANDIDATE${BASE:+ (base $BASE)}"
 gate_args=(gate "$CANDIDATE" --report "$OUT/gate" --no-golden "${DEPLOY_ARGS[@]}")

@@ -55,9 +55,15 @@ def test_bad_checkpoint_stops_at_promote_before_any_engine(tmp_path: Path) -> No
     assert "model.safetensors" in p.stderr  # promote names the shard
     assert "promote_pipeline: error: promote failed" in p.stderr
     assert "==> gate" not in p.stderr  # stopped before the gate
-    assert not (tmp_path / "out" / "golden.json").exists()
-    assert not (tmp_path / "out" / "deploy.sh").exists()
+    assert not (tmp_path / "out").exists(), "a run that stopped before the gate leaves no --out folder it made"
     assert p.stdout == ""
+    # An --out that existed before keeps what was there, and none of this run's files.
+    given = tmp_path / "given"
+    given.mkdir()
+    (given / "mine.txt").write_text("x")
+    p = run(tmp_path, str(ckpt), "--out", str(given))
+    assert p.returncode == 2, p.stderr
+    assert sorted(x.name for x in given.iterdir()) == ["mine.txt"]
 
 
 def test_gate_that_cannot_run_is_exit_2_not_a_pass(tmp_path: Path, tiny_ckpt: Path) -> None:
