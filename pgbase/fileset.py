@@ -191,8 +191,8 @@ def servable(fs: FileSet) -> FileSet:
         kinds = sorted({os.path.splitext(n)[1] for n in fs.files})
         raise CheckpointError(
             f"vLLM loads {', '.join(kinds)} weights from {fs.folder} ({', '.join(fs.files[:3])}"
-            f"{', ...' if len(fs.files) > 3 else ''}); preload-gate serves safetensors only: convert the "
-            "checkpoint to safetensors, or serve it with --load-format auto"
+            f"{', ...' if len(fs.files) > 3 else ''}), as it finds no *.safetensors there; preload-gate serves "
+            "safetensors only: convert the checkpoint to safetensors, or serve it with --load-format auto"
         )
     for name in fs.files:
         p = fs.folder / name

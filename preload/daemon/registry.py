@@ -16,7 +16,9 @@ reused pid is not mistaken for it) is dead: a killed daemon's entry is
 pruned by the next reader. Whoever can write this directory decides which
 roots ``status`` looks in, so it gets the rule of socket directories and
 manifests (:mod:`preload.trust`: ours, 0700/0600, no symlinks); a refused
-entry or root is reported by name and never followed.
+entry or root is reported by name and never followed. An engine that finds
+no socket in its own root asks the same registry (:func:`roots_serving`)
+whether a daemon serves its digest under another root, to name that root.
 
 The cache dir is ``$PRELOAD_GATE_CACHE``, else ``$XDG_CACHE_HOME/preload-gate``,
 else ``~/.cache/preload-gate``: the place manifests live, so a daemon and an
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pgbase import atomic
+from pgbase.errors import InsecureSocketError
 from preload import trust
 from preload.daemon.home import inode_of, unlink_if
 
@@ -177,3 +180,28 @@ def live_roots(cache_dir: str | os.PathLike[str] | None = None) -> tuple[list[Pa
             continue
         roots.append(root)
     return roots, refused
+
+
+def roots_serving(digest: str, global_rank: int, cache_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+    """The socket roots of live registered daemons whose socket directory
+    for ``digest`` holds ``global_rank``'s socket: where to point an engine
+    that found no socket in its own root, instead of starting a second
+    resident copy. Only what :func:`live_roots` trusts is looked in, and the
+    socket directory and socket pass the socket checks too; anything refused
+    is skipped, never followed. Never raises: it only adds a hint to a miss
+    line, so any failure is "none found"."""
+    from preload.sockets import socket_dir, socket_path, verify_socket
+
+    try:
+        roots, _refused = live_roots(cache_dir)
+        found = []
+        for root in roots:
+            try:
+                verify_socket(socket_path(socket_dir(digest, root), global_rank))
+            except (OSError, ValueError, InsecureSocketError):  # UntrustedPathError is one
+                continue
+            found.append(root)
+        return found
+    except Exception as exc:  # a hint must never fail a load
+        log.debug("looking for other socket roots failed: %s: %s", type(exc).__name__, exc)
+        return []

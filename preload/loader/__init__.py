@@ -6,7 +6,8 @@ Registered through the ``vllm.general_plugins`` entry point
 1. resolve the checkpoint's content digest (``stat``: one stat per shard
    against the promotion manifest, no shard opened; ``pinned``; ``full``),
 2. look for this rank's socket in ``socket_dir(digest, root)``: other
-   content means another directory, so "no daemon for this digest",
+   content means another directory, so "no daemon for this digest" (naming
+   another registered root that serves this digest, if one does),
 3. hello, send the rank's :class:`WeightCacheKey`; on ``ok`` build the model
    on the meta device, attach the arena (``MAP_PRIVATE`` on CPU), restore
    tied aliases, then run ``process_weights_after_loading`` as the stage
@@ -24,6 +25,7 @@ gate: ``unsafe_identity: "header_only"`` and ``unsafe_silent_fallback``.
 
 Modules: :mod:`~preload.loader.options` (the extra config, no vLLM),
 :mod:`~preload.loader.verified_cache` (the loader class; imports vLLM),
+:mod:`~preload.loader.misses` (the misses decided before a connect, no vLLM),
 :mod:`~preload.loader.ranks` (this engine's global rank),
 :mod:`~preload.loader.resident` (the resident-checksum check). Importing
 this package does not import vLLM: the class is built when vLLM calls

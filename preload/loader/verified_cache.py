@@ -25,14 +25,13 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from pgbase.errors import (
     CacheKeyMismatchError,
-    CheckpointError,
-    ManifestError,
     PreloadGateError,
     ProtocolError,
     WeightCacheUnavailableError,
 )
 from preload.events import LoadEvent, emit
-from preload.loader import resident
+from preload.loader import misses, resident
+from preload.loader.misses import Miss
 from preload.loader.options import LOAD_FORMAT, LoaderConfigError, LoaderOptions
 from preload.loader.ranks import global_rank_of, rank_info
 
@@ -40,16 +39,6 @@ log = logging.getLogger("preload.loader")  # the plugin's name, not this submodu
 
 # Daemon losses seen by this process (zero-copy watch connections that closed).
 DAEMON_LOSSES = 0
-
-
-class _Miss(Exception):
-    """Internal: why the cache was not used, with what the event needs."""
-
-    def __init__(self, outcome: str, reason: str, fields: list[str] | None = None,
-                 daemon_digest: str | None = None, cause: BaseException | None = None) -> None:
-        super().__init__(reason)
-        self.outcome, self.reason, self.fields = outcome, reason, list(fields or [])
-        self.daemon_digest, self.cause = daemon_digest, cause
 
 
 def _forget_exception_frames(exc: BaseException) -> None:
@@ -131,7 +120,7 @@ class VerifiedCacheLoader(BaseModelLoader):
                 global_rank, event.dp_rank = global_rank_of(vllm_config, ranks)
                 event.rank = global_rank
                 model = self._load_cached(vllm_config, model_config, prefix, ranks, global_rank, event)
-            except _Miss as miss:
+            except Miss as miss:
                 event.outcome, event.reason, event.fields = miss.outcome, miss.reason, miss.fields
                 event.daemon_digest = miss.daemon_digest or event.daemon_digest
                 cause = miss.cause
@@ -182,25 +171,6 @@ class VerifiedCacheLoader(BaseModelLoader):
                 finish()
             raise
 
-    def _resolve(self, model_config: Any, event: LoadEvent) -> str:
-        opts = self.opts
-        if opts.unsafe_identity == "header_only":
-            from preload.identity.anchors import header_only_digest
-
-            log.warning("UNSAFE: unsafe_identity=header_only: keying the cache by vLLM's header-only hash")
-            event.identity = "header_only"
-            return header_only_digest(model_config.model)
-        from preload.identity.manifest import StaleManifestError, resolve_digest
-
-        try:
-            res = resolve_digest(model_config.model, mode=opts.identity, expected_digest=opts.expected_digest)
-        except (StaleManifestError, CheckpointError) as exc:
-            # Stale manifest or a file set the cache cannot serve: a named miss (never a re-hash).
-            raise _Miss("miss", str(exc), cause=exc) from exc
-        except (ManifestError, ValueError) as exc:
-            raise _Miss("error", f"cannot resolve the checkpoint digest: {exc}", cause=exc) from exc
-        return res.digest
-
     def _load_cached(self, vllm_config: Any, model_config: Any, prefix: str, ranks: dict[str, int],
                      global_rank: int, event: LoadEvent) -> Any:
         from preload.client import DaemonClient, Watch
@@ -209,7 +179,7 @@ class VerifiedCacheLoader(BaseModelLoader):
 
         opts = self.opts
         device_type = str(vllm_config.device_config.device_type or "cpu")
-        digest = self._resolve(model_config, event)
+        digest = misses.resolve(opts, model_config.model, event)
         event.digest = digest
         sdir = Path(opts.socket_dir) if opts.socket_dir else socket_dir(digest, opts.socket_root)
         event.socket_dir = str(sdir)
@@ -224,42 +194,39 @@ class VerifiedCacheLoader(BaseModelLoader):
 
         problem = socket_path_problem(socket_path(sdir, global_rank))
         if problem:  # known before any connect: say which path and what to do
-            raise _Miss("miss", problem, cause=WeightCacheUnavailableError(problem))
+            raise Miss("miss", problem, cause=WeightCacheUnavailableError(problem))
         if not socket_path(sdir, global_rank).exists():
             other = self._other_rank_mismatch(sdir, global_rank, key)
             if other is not None:
                 raise other
-            raise _Miss("miss", f"no daemon for this digest: no socket for rank {global_rank} in {sdir} "
-                        f"(content digest {digest[:16]}; start: preload-gate preload {model_config.model})",
-                        fields=[] if opts.socket_dir else ["content_digest"],
-                        cause=WeightCacheUnavailableError("no daemon for this digest"))
+            raise misses.no_socket(opts, sdir, global_rank, digest, model_config.model)
         try:
             client = DaemonClient.connect(sdir, global_rank, opts.connect_timeout_s, opts.state_timeout_s,
                                           client=f"vllm-rank{global_rank}")
         except (WeightCacheUnavailableError, ProtocolError) as exc:
-            raise _Miss("miss", f"daemon unavailable: {exc}", cause=exc) from exc
+            raise Miss("miss", f"daemon unavailable: {exc}", cause=exc) from exc
         try:
             event.daemon_digest = client.hello.get("digest")
             try:
                 state = client.get_state(key)
             except CacheKeyMismatchError as exc:
-                raise _Miss("miss", f"key mismatch on fields: {', '.join(exc.fields)}", exc.fields,
+                raise Miss("miss", f"key mismatch on fields: {', '.join(exc.fields)}", exc.fields,
                             getattr(exc, "daemon_digest", None), exc) from exc
             except (WeightCacheUnavailableError, ProtocolError) as exc:
-                raise _Miss("error", str(exc), cause=exc) from exc
+                raise Miss("error", str(exc), cause=exc) from exc
             event.daemon_digest = state.digest
             try:
                 if state.digest != digest:
-                    raise _Miss("error", f"daemon in {sdir} serves digest {state.digest[:16]}, not {digest[:16]}",
+                    raise Miss("error", f"daemon in {sdir} serves digest {state.digest[:16]}, not {digest[:16]}",
                                 ["content_digest"], state.digest,
                                 CacheKeyMismatchError(["content_digest"]))
                 try:
                     model = self._build(vllm_config, model_config, prefix, state)
                 except PreloadGateError as exc:
-                    raise _Miss("error", f"attach failed: {exc}", cause=exc) from exc
+                    raise Miss("error", f"attach failed: {exc}", cause=exc) from exc
                 except Exception as exc:
                     log.exception("attaching the daemon's weights failed")
-                    raise _Miss("error", f"attach failed: {type(exc).__name__}: {exc}", cause=exc) from exc
+                    raise Miss("error", f"attach failed: {type(exc).__name__}: {exc}", cause=exc) from exc
             finally:
                 state.close()  # descriptors not yet handed to attach (a no-op after it)
             event.tensors, event.bytes = len(state.layout.entries), state.layout.total_bytes
@@ -285,7 +252,7 @@ class VerifiedCacheLoader(BaseModelLoader):
         finally:
             client.close()
 
-    def _other_rank_mismatch(self, sdir: Path, global_rank: int, key: Any) -> _Miss | None:
+    def _other_rank_mismatch(self, sdir: Path, global_rank: int, key: Any) -> Miss | None:
         """Daemons serve this digest but not this rank (say TP=2 against a
         TP=1 daemon): ask one of them which key fields differ, so the miss
         names the layout, not the content."""
@@ -303,7 +270,7 @@ class VerifiedCacheLoader(BaseModelLoader):
         try:
             client.get_state(key).close()
         except CacheKeyMismatchError as exc:
-            return _Miss("miss", f"the daemon for this digest serves ranks {ranks}, not rank {global_rank}: "
+            return Miss("miss", f"the daemon for this digest serves ranks {ranks}, not rank {global_rank}: "
                          f"key mismatch on fields: {', '.join(exc.fields)}", exc.fields, cause=exc)
         except (WeightCacheUnavailableError, ProtocolError):
             return None
