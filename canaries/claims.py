@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from canaries.errors import GoldenError, read_digest
 from preload.events import read_events
+from preload.trust import UntrustedPathError
 
 _RANK_UP = "preload_gate_rank_up"
 
@@ -50,6 +51,8 @@ def from_events_file(path: str | Path) -> Claim:
         raise GoldenError(f"cannot read events file {p}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
         raise GoldenError(f"cannot read events file {p}: not UTF-8 ({exc.reason})") from exc
+    except UntrustedPathError as exc:  # a replica of ours could not have written it
+        raise GoldenError(f"cannot trust the claim: {exc}") from exc
     if not events:
         raise GoldenError(f"events file {p} holds no load event")
     event = events[-1]

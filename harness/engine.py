@@ -35,6 +35,7 @@ from pgbase.errors import PreloadGateError
 from pgbase.procs import stop_group
 from preload.daemon.parent import PARENT_PID_ENV
 from preload.events import read_events
+from preload.trust import UntrustedPathError
 
 DEFAULT_TIMEOUT_S = 300.0
 LOG_TAIL_CHARS = 4000
@@ -337,7 +338,11 @@ def run_engine(
     wall = time.monotonic() - t0
     log_text = log_path.read_text(encoding="utf-8", errors="replace")
     result = _collect(out_path, rc, timed_out, timeout_s, log_text)
-    result.events = read_events(events_path)
+    try:
+        result.events = read_events(events_path)
+    except UntrustedPathError as exc:  # not what our loader writes: its lines prove nothing
+        result.ok = False
+        result.error = "; ".join(e for e in (result.error, f"load events not read: {exc}") if e)
     result.timings["wall"] = round(wall, 3)
     loads = [float(e["seconds"]) for e in result.events if isinstance(e.get("seconds"), (int, float))]
     if loads:  # the loader's own measure of its load, slowest rank

@@ -18,6 +18,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from preload.trust import UntrustedPathError, open_own_file
+
 log = logging.getLogger("preload.load")
 # A hit is INFO; inheriting the root's WARNING would drop it wherever the
 # host configured logging. An app that wants hits quiet sets this level itself.
@@ -119,10 +121,16 @@ def emit(event: LoadEvent, events_file: str | None = None, loud: bool | None = N
     """Append the event line (one ``write`` on an O_APPEND fd, so ranks
     writing the same file never interleave) and log it.
 
+    The file is held to :func:`preload.trust.open_own_file`: a symlink, a
+    FIFO, a directory or a file of another user at the path is refused (an
+    events path in a shared directory such as /tmp is otherwise a way for
+    any local user to make engines append to a file of their choosing). A
+    file it creates is 0600.
+
     Never raises: an events file that cannot be written (a missing directory,
-    a full disk) must not turn a good load into a failed start. The log line
-    is still written, plus a warning naming the file. Returns whether the
-    file got the line (True when no file is configured).
+    a full disk, a refused path) must not turn a good load into a failed
+    start. The log line is still written, plus a warning naming the file and
+    why. Returns whether the file got the line (True when no file is configured).
     """
     try:
         line = json.dumps(event.to_json(), sort_keys=True, default=str)
@@ -133,11 +141,15 @@ def emit(event: LoadEvent, events_file: str | None = None, loud: bool | None = N
     path = events_path(events_file)
     if path:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = open_own_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "events file")
             try:
                 os.write(fd, (line + "\n").encode())
             finally:
                 os.close(fd)
+        except UntrustedPathError as exc:
+            written = False
+            _log(logging.WARNING, "preload-gate: not writing the load event: %s; the load itself "
+                 "is unaffected", exc)
         except OSError as exc:
             written = False
             _log(logging.WARNING, "preload-gate: cannot write the load event to %s (%s); the load itself "
@@ -164,14 +176,18 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     place as ``{"outcome": "malformed", "raw": <its first 200 characters>}``,
     so a judge counting one ``hit`` per rank sees it rather than crashing on
     it or reading past it. Raises ``OSError`` when the file exists but cannot
-    be read, ``UnicodeDecodeError`` when it is not UTF-8.
+    be read, ``UnicodeDecodeError`` when it is not UTF-8, and
+    :class:`preload.trust.UntrustedPathError` when the path is a symlink
+    (whoever owns it), not a regular file, or a file of another user: the
+    rule :func:`emit` writes by, so a reader never believes a file no
+    engine of ours could have written.
     """
     events: list[dict[str, Any]] = []
     try:
-        f = open(path, encoding="utf-8")
+        fd = open_own_file(path, os.O_RDONLY, "events file")
     except FileNotFoundError:
         return events
-    with f:
+    with open(fd, encoding="utf-8") as f:
         for line in f:  # newlines only: JSON text may hold other line separators
             line = line.rstrip("\r\n")
             if not line.strip():

@@ -13,6 +13,7 @@ path and the command that fixes it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -49,14 +50,22 @@ def require_unsafe_controls(what: str) -> None:
         )
 
 
+def _symlinked(path: Path, what: str, want_dir: bool) -> UntrustedPathError:
+    return UntrustedPathError(f"refusing symlinked {what} {path}; replace it with a real "
+                              f"{'directory' if want_dir else 'file'}")
+
+
+def _not_regular(path: Path, what: str) -> UntrustedPathError:
+    return UntrustedPathError(f"{what} {path} is not a regular file")
+
+
 def _check(path: Path, info: os.stat_result, what: str, want_dir: bool, mask: int = 0o077) -> None:
     if stat.S_ISLNK(info.st_mode):
-        raise UntrustedPathError(f"refusing symlinked {what} {path}; replace it with a real "
-                                 f"{'directory' if want_dir else 'file'}")
+        raise _symlinked(path, what, want_dir)
     if want_dir and not stat.S_ISDIR(info.st_mode):
         raise UntrustedPathError(f"{what} {path} is not a directory")
     if not want_dir and not stat.S_ISREG(info.st_mode) and not stat.S_ISSOCK(info.st_mode):
-        raise UntrustedPathError(f"{what} {path} is not a regular file")
+        raise _not_regular(path, what)
     if info.st_uid != os.getuid():
         raise UntrustedPathError(
             f"{what} {path} is owned by uid {info.st_uid}, not {os.getuid()}; remove it or use "
@@ -104,6 +113,41 @@ def verify_private_file(path: str | os.PathLike[str], what: str = "file") -> Non
     except FileNotFoundError as exc:
         raise UntrustedPathError(f"{what} {p} does not exist") from exc
     _check(p, info, what, want_dir=False)
+
+
+def open_own_file(path: str | os.PathLike[str], flags: int, what: str = "file") -> int:
+    """Open ``path`` (``flags``: O_RDONLY, or O_WRONLY|O_APPEND|O_CREAT, ...)
+    and return the fd only if what was opened is a regular file owned by us.
+
+    The rule is the one above, held on the open fd rather than on the name,
+    so nothing can be swapped in between check and use: O_NOFOLLOW refuses a
+    symlink (of any owner: no symlink where we are asked to trust), fstat
+    then sees the file itself. O_NONBLOCK makes a FIFO planted at the path a
+    refusal instead of an open that waits for a peer forever. A file we
+    create is 0600; the mode of an existing one is not checked (files of
+    ours that older versions made 0644 stay usable). Raises
+    :class:`UntrustedPathError`, or the ``OSError`` of the open itself
+    (``FileNotFoundError`` without O_CREAT, ``PermissionError``, ...).
+    """
+    p = Path(path)
+    try:
+        fd = os.open(p, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _symlinked(p, what, want_dir=False) from exc
+        if exc.errno in (errno.EISDIR, errno.ENXIO):  # a directory; a FIFO nobody reads, a socket, a device
+            raise _not_regular(p, what) from exc
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # a directory opened read-only, a FIFO with a reader
+            raise _not_regular(p, what)
+        _check(p, info, what, want_dir=False, mask=0)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def ensure_private_dir(directory: str | os.PathLike[str], what: str = "directory",

@@ -288,6 +288,11 @@ class StaleManifestError(ManifestError):
         super().__init__(message)
 
 
+class StatBlindError(StaleManifestError):
+    """Stats cannot vouch for a checkpoint on a stat-blind filesystem (tmpfs):
+    no promotion fixes that, so the message names pinned and full, not promote."""
+
+
 def stale_reason(checkpoint: str | os.PathLike[str], manifest: Manifest,
                  stat_blind_ok: bool = False) -> tuple[str, str | None] | None:
     """Why ``manifest`` no longer describes the checkpoint, as ``(reason,
@@ -298,8 +303,8 @@ def stale_reason(checkpoint: str | os.PathLike[str], manifest: Manifest,
     is listed (to name its missing and new shard files). The filesystem type
     of the directory's device comes from /proc/self/mountinfo: on a
     stat-blind one (``STAT_BLIND_FILESYSTEMS``) the manifest cannot be
-    trusted by stats, unless ``stat_blind_ok`` (the daemon, which proves
-    every byte it serves, compares the stats anyway).
+    trusted by stats (:class:`StatBlindError`), unless ``stat_blind_ok``
+    (the daemon, which proves every byte it serves, compares them anyway).
     """
     ckpt = Path(checkpoint)
     if manifest.dir_stat is None:
@@ -320,9 +325,10 @@ def stale_reason(checkpoint: str | os.PathLike[str], manifest: Manifest,
     # Asked of the stat just taken (its device), so it costs no round trip.
     fstype = filesystem_type_of_dev(d.dev)
     if fstype in STAT_BLIND_FILESYSTEMS and not stat_blind_ok:
-        return (f"the checkpoint is on {fstype}, where a write through mmap changes no stat field, so stats "
-                "cannot prove the bytes are the promoted ones; use identity 'pinned' (expected_digest from "
-                "promote) or 'full'"), None
+        raise StatBlindError(
+            f"identity 'stat' cannot vouch for {ckpt}: it is on {fstype}, where a write through mmap changes no "
+            "stat field, so stats cannot prove the bytes are the promoted ones; use identity 'pinned' "
+            "(expected_digest: the digest promote printed) or 'full'")
     shard_stats = now[2:2 + n_shards]
     if d != manifest.dir_stat:
         names = [r.name for r in manifest.shards]

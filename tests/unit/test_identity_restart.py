@@ -192,7 +192,10 @@ def test_on_tmpfs_stats_cannot_see_an_mmap_edit_so_stat_mode_misses(tiny_checkpo
     assert FileStat.of(shard) == before
     assert anchors.content(ckpt, "full") != p.digest
     err, counts, mbefore, mafter = _stale(ckpt, cache)
-    assert "tmpfs" in str(err) and "pinned" in str(err)
+    assert "tmpfs" in str(err) and "'pinned'" in str(err) and "'full'" in str(err)
+    # Promoting again cannot make stats prove content here: no promote command to run.
+    assert "run:" not in str(err) and "preload-gate promote" not in str(err)
+    assert isinstance(err, manifest_mod.StatBlindError)
     assert counts.opens == 0 and mafter == mbefore
     assert not p.to_json()["stat_identity"]
 
@@ -206,6 +209,11 @@ def test_control_on_a_disk_filesystem_the_same_promotion_resolves(tiny_checkpoin
     p = promote(ckpt, socket_root=tmp_path / "sock", cache_dir=tmp_path / "cache", progress=False)
     assert resolve_digest(ckpt, mode="stat", cache_dir=tmp_path / "cache").digest == p.digest
     assert p.to_json()["stat_identity"]
+    # A stale manifest, which promoting again does fix, still names the command.
+    _mmap_zero_tail(ckpt / p.manifest.shards[0].name)
+    with pytest.raises(StaleManifestError) as info:
+        resolve_digest(ckpt, mode="stat", cache_dir=tmp_path / "cache")
+    assert "is stale" in str(info.value) and f"run: preload-gate promote {ckpt}" in str(info.value)
 
 
 def test_filesystem_type_reads_mountinfo() -> None:
