@@ -27,6 +27,7 @@ from pathlib import Path
 
 from pgbase.digest_text import SHORT_CHARS
 from pgbase.errors import PreflightError, PreloadGateError
+from pgbase.outdir import check_output_dir, check_output_dirs
 from preload import trust
 from preload.preflight_vllm import (
     VLLM_DTYPES,
@@ -219,40 +220,6 @@ def check_cuda(transport: str) -> None:
         raise PreflightError("--transport cuda needs a CUDA device and none is visible (torch.cuda.is_available() "
                              "is False: no GPU, no driver, a CPU-only torch or CUDA_VISIBLE_DEVICES hides them); "
                              "use --transport shm")
-
-
-def check_output_dir(path: str | os.PathLike[str], flag: str) -> None:
-    """``path`` (a directory a verb will write, given as ``flag``) exists as a
-    writable directory or can be created, checked before anything runs.
-
-    It is probed by making and removing one temporary directory in ``path`` or
-    its nearest existing parent: ``os.access`` answers for permission bits
-    only, and says yes to root on /proc, a root-squashed NFS export or a full
-    quota. Nothing is left behind.
-
-    Raises :class:`PreflightError` naming the directory and the fix."""
-    out = Path(path)
-    probe = out
-    while not os.path.lexists(probe) and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        what = "is not a directory" if probe == out else f"cannot be created: its parent {probe} is not a directory"
-        raise PreflightError(f"{flag} {out} {what}; choose a writable {flag} directory")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".preload-gate-probe-", dir=probe))
-    except OSError as exc:
-        raise PreflightError(f"{flag} {out} cannot be written: making a directory in {probe} failed "
-                             f"({exc.strerror or exc}); choose a writable {flag} directory") from exc
-
-
-def check_output_dirs(dirs: dict[str, str | os.PathLike[str] | None]) -> None:
-    """:func:`check_output_dir` for each ``{flag: path}`` given (None: not
-    asked for), in order, before a verb runs anything: a file in the way or a
-    place mkdir refuses is one line naming the flag, never a traceback after
-    the engines ran."""
-    for flag, path in dirs.items():
-        if path:
-            check_output_dir(path, flag)
 
 
 def _own_real_dir(path: Path) -> bool:

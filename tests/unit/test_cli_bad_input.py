@@ -140,6 +140,12 @@ BAD = [
     ("preload", ["preload", "{ckpt}", "-tp", "4"], None, "choose a tensor-parallel size from [1, 2]"),
     ("preload", ["preload", "{gqa}", "--dry-run", "-tp", "3"], None, "2 key/value heads"),
     ("status", ["status", "--bogus"], None, "unrecognized arguments"),
+    # An unknown flag is named by the verb it was given to, with that verb's --help.
+    ("preload", ["preload", "{ckpt}", "--frobnicate", "3"], None,
+     "preload-gate preload: error: unrecognized arguments: --frobnicate 3 (see: preload-gate preload --help)"),
+    # OUT is checked before any work: a file in the way, a place mkdir refuses (smollm2 converted first).
+    ("fixtures", ["fixtures", "tiny", "{base}/afile"], None, "OUT {base}/afile is not a directory"),
+    ("fixtures", ["fixtures", "smollm2", "/proc/pg-no-such-fixture"], None, "cannot be written"),
     ("gate", ["gate", "{base}/nope", "--mutations", "all"], None, "does not exist"),
     ("gate", ["gate", "{ckpt}", "--mutations", "bogus"], None, "unknown mutation bogus"),
     # --report is checked before any engine starts: a file in the way, a place mkdir refuses.
