@@ -105,8 +105,15 @@ def _use_cache_dir(args: argparse.Namespace) -> None:
 def _options(args: argparse.Namespace) -> Any:
     from preload.daemon.launcher import PreloadOptions
     from preload.daemon.placement import Parallelism
+    from preload.vllm_key import export_stage_for
 
-    stage = args.stage or ("processed" if args.transport == "cuda" else "loaded")
+    # The stage a vLLM engine on this transport asks for (the loader's rule, one function).
+    stage = args.stage or export_stage_for("cpu" if args.transport == "shm" else "cuda")
+    if args.transport == "shm" and stage == "processed":
+        raise PreloadGateError(
+            "--stage processed with --transport shm serves no engine: vLLM's CPU engines attach the loaded "
+            "stage (their weight processing moves Linear weights into oneDNN handles that cannot be shared); "
+            "use --stage loaded (the default) or raw")
     engine = {"dtype": args.dtype, "max_model_len": args.max_model_len, "quantization": args.quantization,
               "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel}
     return PreloadOptions(
