@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from daemon_support import short_dir
+from reliability_support import NOBODY, skip_privileged
 
 from fixtures.mutations import copy_checkpoint
 from preload.daemon import registry
@@ -73,8 +74,8 @@ def _entry(cache: Path, daemon_root: Path) -> Path:
 
 def _chown_other(path: Path) -> None:
     if os.getuid() != 0:
-        pytest.skip("giving a file to another owner needs root")
-    os.chown(path, 4242, 4242)
+        skip_privileged("giving a file to another owner needs root")
+    os.chown(path, NOBODY, NOBODY)
 
 
 def _dead(path: Path) -> None:
