@@ -191,6 +191,20 @@ def _roots(args: argparse.Namespace) -> tuple[list[Path], list[dict[str, str]]]:
     return list(dict.fromkeys([default_socket_root(), *registered])), refused
 
 
+def _not_a_socket(path: str) -> str | None:
+    """What stands at a rank's socket path when it is not a socket ("a
+    regular file", "a symlink", ...); None for a socket or nothing."""
+    import stat
+
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    return "a symlink" if stat.S_ISLNK(mode) else "a regular file" if stat.S_ISREG(mode) else "a non-socket file"
+
+
 def _status(args: argparse.Namespace) -> int:
     from preload.daemon.registry import registry_dir
     from preload.preflight import check_cache_root
@@ -225,7 +239,10 @@ def _status(args: argparse.Namespace) -> int:
     for r in ranks:
         if not r["serving"]:
             holder = r.get("lock_holder")
-            if holder:
+            kind = _not_a_socket(r["socket"])
+            if kind:  # a file or link in a socket's place: no daemon ever served through it
+                print(f"{r['socket']}: {kind}, not a socket: nothing serves here; remove it")
+            elif holder:
                 print(f"{r['socket']}: not answering, but pid {holder} holds its lock "
                       "(a daemon starting, or hung): not stale")
             else:

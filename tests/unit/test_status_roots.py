@@ -220,3 +220,30 @@ def test_cache_dir_flag_names_the_cache_promote_wrote(tiny_ckpt: Path, tmp_path:
         r = _cli(env, *argv)
         assert r.returncode == 2 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
     assert not (tmp_path / "typo").exists()
+
+
+# ------------------------------------------------------------------ what stands in a socket's place
+
+@pytest.mark.parametrize("kind", ["a regular file", "a symlink", "control: a stale socket"])
+def test_status_says_what_stands_where_a_socket_should(kind: str, tmp_path: Path) -> None:
+    import socket as socketlib
+
+    root = short_dir("pg-nsock-")
+    sdir = root / ("ab" * 8)
+    sdir.mkdir(mode=0o700)
+    path = sdir / "rank0.sock"
+    if kind == "a regular file":
+        path.write_text("x")
+    elif kind == "a symlink":
+        path.symlink_to(tmp_path / "elsewhere")
+    else:  # a socket whose daemon is gone: bound, closed, left on disk
+        s = socketlib.socket(socketlib.AF_UNIX)
+        s.bind(str(path))
+        s.close()
+    p = _cli(_env(tmp_path / "cache"), "status", "--socket-root", str(root))
+    assert p.returncode == 0, p.stderr
+    if kind.startswith("control"):
+        assert f"{path}: not answering and its lock is free (stale socket)" in p.stdout, p.stdout
+    else:
+        assert f"{path}: {kind}, not a socket: nothing serves here; remove it" in p.stdout, p.stdout
+        assert "stale socket" not in p.stdout
