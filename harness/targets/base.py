@@ -83,7 +83,10 @@ class CacheTarget:
 
     def prepare(self, base: Path, settings: EngineSettings, workdir: Path,
                 engine_timeout_s: float) -> PreparedCache:
-        raise NotImplementedError
+        """Build the cache from ``base`` under ``workdir``. Every target the
+        target runner drives defines it; those on the gate's daemon path
+        (verified_cache, header_only) never reach it."""
+        raise NotImplementedError(f"{type(self).__name__} is not run by the target runner")
 
     def place(self, cache: PreparedCache, candidate: Path) -> None:
         """Put the cache where the engine on ``candidate`` finds it, when it
@@ -91,12 +94,14 @@ class CacheTarget:
 
     def cached_spec(self, cache: PreparedCache, case: GateCase, candidate: Path,
                     common: dict[str, Any]) -> EngineSpec:
-        raise NotImplementedError
+        """The cached engine's spec for ``case`` (as :meth:`prepare`: runner targets only)."""
+        raise NotImplementedError(f"{type(self).__name__} is not run by the target runner")
 
     def served(self, cache: PreparedCache, case: GateCase, candidate: Path, candidate_digest: str,
                result: EngineResult, log: str) -> Served:
-        """What can be proven about what the engine served; ``log`` is its whole log."""
-        raise NotImplementedError
+        """What can be proven about what the engine served; ``log`` is its whole log
+        (as :meth:`prepare`: runner targets only)."""
+        raise NotImplementedError(f"{type(self).__name__} is not run by the target runner")
 
     def close(self, cache: PreparedCache) -> None:
         """Stop whatever ``prepare`` started."""
