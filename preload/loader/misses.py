@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pgbase.digest_text import short_digest
 from pgbase.errors import CheckpointError, ManifestError, WeightCacheUnavailableError
 from preload.loader.options import LoaderOptions
 from preload.sockets import SOCKET_ROOT_ENV
@@ -97,7 +98,7 @@ def no_socket(opts: LoaderOptions, sdir: Path, global_rank: int, digest: str, ch
     daemon to start.
     """
     cause = WeightCacheUnavailableError("no daemon for this digest")
-    where = f"no socket for rank {global_rank} in {sdir} (content digest {digest[:16]}"
+    where = f"no socket for rank {global_rank} in {sdir} (content digest {short_digest(digest)}"
     if not opts.socket_dir:
         from preload.daemon.registry import roots_serving
 

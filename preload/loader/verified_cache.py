@@ -23,6 +23,7 @@ from vllm.model_executor.model_loader.utils import initialize_model, process_wei
 from vllm.model_executor.utils import weights_already_processed
 from vllm.utils.torch_utils import set_default_torch_dtype
 
+from pgbase.digest_text import short_digest
 from pgbase.errors import (
     CacheKeyMismatchError,
     PreloadGateError,
@@ -217,7 +218,7 @@ class VerifiedCacheLoader(BaseModelLoader):
             event.daemon_digest = state.digest
             try:
                 if state.digest != digest:
-                    raise Miss("error", f"daemon in {sdir} serves digest {state.digest[:16]}, not {digest[:16]}",
+                    raise Miss("error", f"daemon in {sdir} serves digest {short_digest(state.digest)}, not {short_digest(digest)}",
                                 ["content_digest"], state.digest,
                                 CacheKeyMismatchError(["content_digest"]))
                 try:
