@@ -110,10 +110,35 @@ class RankServer:
                 raise RankBusyError(f"a live daemon answers on {self.path}; not replacing it")
             os.unlink(self.path)
             log.warning("replaced a stale socket left by a stopped daemon: %s", self.path)
+        self._check_own_frames()
         self._bind()
         if HomeWatch.enabled():
             self._home = HomeWatch(self, self.on_home_lost)
             self._home.start()
+
+    def _check_own_frames(self) -> None:
+        """Parse a hello and a get_state for the key we serve, through the
+        checks every request meets, before the socket exists.
+
+        The key we serve must pass our own wire parser (a daemon whose key
+        does not round-trip would answer every engine with a bad-key error);
+        and msgspec builds each type's decoder on first use (about 1 ms for
+        the key, hello and get_state together, measured by the
+        ``attach_load`` row's ``solo_attach_s``), which is paid here, not by
+        the first engine to attach.
+        """
+        key = self.key.to_json()
+        for body in (protocol.hello_request("self-check"), {"cmd": "get_state", "key": key}):
+            protocol.check_request(body)
+        try:
+            parsed = WeightCacheKey.from_json(key)
+        except ValueError as exc:
+            parsed, why = None, str(exc)
+        else:
+            why = "it parses to another key"
+        if parsed != self.key:
+            raise PreloadGateError(f"rank {self.global_rank}: the key we serve fails our own wire parser ({why}); "
+                                   "no engine could attach: report this as a bug")
 
     def _bind(self) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
