@@ -113,11 +113,11 @@ def _preflight_record(model: str, out: str, engine: dict) -> None:
     target = Path(out)
     if target.is_dir():
         raise GoldenError(f"--out {out} is a directory; give the golden file's path (e.g. {target / 'golden.json'})")
-    check_output_dir(target.parent, "--out")
     check_checkpoint(model)
     validate_checkpoint(model)
     check_dtype(str(engine.get("dtype") or "auto"))
     check_engine_choices(engine)
+    check_output_dir(target.parent, "--out")  # last: its probe changes the parent's stat
 
 
 def http_url(value: str) -> str:

@@ -15,14 +15,18 @@ from pathlib import Path
 from pgbase.errors import PreflightError
 
 
-def check_output_dir(path: str | os.PathLike[str], flag: str) -> None:
+def check_output_dir(path: str | os.PathLike[str], flag: str, must_be_empty: bool = False) -> None:
     """``path`` (a directory a verb will write, given as ``flag``) exists as a
     writable directory or can be created, checked before anything runs.
 
     It is probed by making and removing one temporary directory in ``path`` or
     its nearest existing parent: ``os.access`` answers for permission bits
     only, and says yes to root on /proc, a root-squashed NFS export or a full
-    quota. Nothing is left behind.
+    quota. Nothing is left behind, but the probe changes the stat (mtime,
+    ctime) of the directory it is made in, and a promoted checkpoint's
+    manifest records its directory's stat: so a verb calls this after every
+    check that only reads, and ``must_be_empty`` is checked before the probe
+    (a refusal must write nothing, there too).
 
     Raises :class:`PreflightError` naming the directory and the fix."""
     out = Path(path)
@@ -32,6 +36,8 @@ def check_output_dir(path: str | os.PathLike[str], flag: str) -> None:
     if not probe.is_dir():
         what = "is not a directory" if probe == out else f"cannot be created: its parent {probe} is not a directory"
         raise PreflightError(f"{flag} {out} {what}; choose a writable {flag} directory")
+    if must_be_empty and probe == out and any(out.iterdir()):
+        raise PreflightError(f"{flag} {out} exists and is not an empty directory; choose a new or empty {flag}")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".preload-gate-probe-", dir=probe))
     except OSError as exc:

@@ -59,6 +59,14 @@ class ShardHeader:
         return 8 + self.header_len
 
 
+def not_a_directory(checkpoint: str | os.PathLike[str]) -> str:
+    """Why ``checkpoint`` is no checkpoint directory, in one line: missing, or
+    something else (a file) at that path."""
+    if os.path.lexists(checkpoint):
+        return f"checkpoint {checkpoint} is not a directory; give the folder that holds config.json and the shards"
+    return f"checkpoint directory {checkpoint} does not exist"
+
+
 def shard_paths(checkpoint: str | os.PathLike[str], prefer_vllm: bool = True) -> list[Path]:
     """The weight shards vLLM's ``auto`` loader reads, sorted by the byte order of their names.
 
@@ -70,10 +78,8 @@ def shard_paths(checkpoint: str | os.PathLike[str], prefer_vllm: bool = True) ->
     [PosixPath('/models/smollm2/model.safetensors')]
     """
     ckpt = Path(checkpoint)
-    if not ckpt.exists():
-        raise CheckpointError(f"checkpoint directory {ckpt} does not exist")
     if not ckpt.is_dir():
-        raise CheckpointError(f"checkpoint {ckpt} is not a directory")
+        raise CheckpointError(not_a_directory(ckpt))
     return servable(select_files(ckpt, prefer_vllm=prefer_vllm)).paths
 
 

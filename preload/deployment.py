@@ -33,7 +33,7 @@ from typing import Any
 from pgbase.cliargs import positive_int
 from pgbase.errors import PreloadGateError
 from pgbase.json_shape import convert
-from preload.identity.manifest import config_digest
+from preload.identity.config import config_digest
 
 # What ``vllm serve`` (and an offline ``LLM``) use when the flag is absent.
 DEFAULT_DTYPE = "auto"

@@ -63,6 +63,12 @@ def check_socket_root(root: str | os.PathLike[str], ranks: Iterable[int] = (0,),
             raise PreflightError(problem.replace(f"{r}/{'0' * SHORT_CHARS}", f"{r}/<digest16>"))
     parent = r.parent
     if not parent.is_dir():
+        up = parent
+        while not os.path.lexists(up) and up != up.parent:
+            up = up.parent
+        if not up.is_dir():  # mkdir -p would fail too: say what is in the way
+            raise PreflightError(f"the socket root {r} cannot be made: {up} is not a directory; "
+                                 "choose another --socket-root")
         raise PreflightError(f"the socket root's parent directory {parent} does not exist; "
                              f"create it (mkdir -p {parent}) or choose another --socket-root")
     if os.path.lexists(r):

@@ -81,7 +81,7 @@ def check_pipeline_parallel(checkpoint: str | os.PathLike[str], pp_size: int) ->
     included) where vLLM is importable, evenly otherwise."""
     if pp_size <= 1:
         return
-    from preload.identity.manifest import read_config
+    from preload.identity.config import read_config
 
     cfg = read_config(checkpoint)
     if not isinstance(cfg, dict):
@@ -116,7 +116,7 @@ def model_heads(checkpoint: str | os.PathLike[str]) -> tuple[int, int] | None:
     decides later). Reads one small file, no weights.
 
     Raises :class:`~pgbase.errors.CheckpointError` when ``config.json`` is not readable JSON."""
-    from preload.identity.manifest import read_config
+    from preload.identity.config import read_config
 
     cfg = read_config(checkpoint)
     if not isinstance(cfg, dict):

@@ -12,8 +12,8 @@ import json
 import os
 from typing import Any
 
+from preload.identity.config import config_digest
 from preload.identity.key import WeightCacheKey
-from preload.identity.manifest import config_digest
 from preload.transports.base import dtype_name
 
 

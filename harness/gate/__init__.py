@@ -84,9 +84,6 @@ def run_gate(opts: GateOptions) -> GateReport:
         opts = dataclasses.replace(opts, unsafe_identity=forced)
     candidate = Path(opts.candidate)
     weight_files(candidate)  # a missing or empty checkpoint is one clear line, before anything runs
-    # Every directory the run writes is known now, not after the engines ran.
-    check_output_dirs({"--report": opts.report_dir, "--workdir": opts.workdir,
-                       "--reference-cache": opts.reference_cache})
     self_test = opts.mutations is not None
     base = Path(opts.base) if (opts.base and self_test) else candidate
     if opts.base:
@@ -94,6 +91,10 @@ def run_gate(opts: GateOptions) -> GateReport:
     cases = select_target_cases(target, opts.mutations or "all") if self_test else [promotion_case(opts)]
     if not self_test and opts.base and getattr(target, "uses_daemon_path", False):
         cases.append(switch_case(opts))
+    # Every directory the run writes is known now, not after the engines ran;
+    # checked after the read-only checks above (the probe changes a directory's stat).
+    check_output_dirs({"--report": opts.report_dir, "--workdir": opts.workdir,
+                       "--reference-cache": opts.reference_cache})
     report = GateReport(
         mode="self-test" if self_test else "promotion",
         target=opts.target,

@@ -11,6 +11,7 @@ from typing import Any
 from pgbase.cliargs import digest_arg, fixed_port, nonnegative_int, port, positive_int
 from pgbase.digest_text import short_digest
 from pgbase.errors import PreloadGateError
+from pgbase.shards import not_a_directory
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -134,7 +135,7 @@ def _preload(args: argparse.Namespace) -> int:
     from preload.daemon import launcher
 
     if not Path(args.checkpoint).is_dir():
-        raise PreloadGateError(f"checkpoint directory {args.checkpoint} does not exist")
+        raise PreloadGateError(not_a_directory(args.checkpoint))
     _use_cache_dir(args)
     opts = _options(args)
     if args.dry_run:

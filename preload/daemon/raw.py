@@ -8,19 +8,17 @@ vLLM is absent) name tensors as the checkpoint does.
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from pathlib import Path
 
-from pgbase.errors import CheckpointError
 from pgbase.shards import check_unique_tensors, shard_paths
 from preload.checksum import resident_checksums
 from preload.daemon.proof import ProvenShard, check_digest, torch_dtype, torch_shape
 from preload.daemon.stage import Filled
 from preload.daemon.tp_slice import plan_slices, read_slice
+from preload.identity.config import config_digest, read_config
 from preload.identity.key import WeightCacheKey
-from preload.identity.manifest import Manifest, config_digest
+from preload.identity.manifest import Manifest
 from preload.transports.base import Layout, Transport
 
 
@@ -29,14 +27,9 @@ def raw_key(
 ) -> WeightCacheKey:
     """The key of a raw-stage rank; a raw consumer builds the same one.
     With ``tp_size > 1`` the rank holds only its slices (preload.daemon.tp_slice)."""
-    arch = ""
-    cfg = Path(checkpoint) / "config.json"
-    if cfg.is_file():
-        try:
-            archs = json.loads(cfg.read_text(encoding="utf-8")).get("architectures") or [""]
-            arch = str(archs[0])
-        except (OSError, ValueError, AttributeError) as exc:
-            raise CheckpointError(f"config.json is not readable JSON: {exc}") from exc
+    cfg = read_config(checkpoint)  # CheckpointError for a config vLLM could not read either
+    archs = (cfg or {}).get("architectures") or [""]
+    arch = archs[0]
     return WeightCacheKey(
         content_digest=digest,
         config_digest=config_digest(checkpoint),

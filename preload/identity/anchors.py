@@ -36,7 +36,7 @@ from pathlib import Path
 
 from pgbase.errors import CheckpointError
 from pgbase.schemes import SAMPLE_BYTES, SCHEMES
-from pgbase.shards import INDEX_NAME, read_header, shard_paths
+from pgbase.shards import INDEX_NAME, not_a_directory, read_header, shard_paths
 from preload.identity.digest import content_digest
 from preload.identity.manifest import MODES, resolve_digest
 
@@ -186,7 +186,7 @@ def path_stat(checkpoint: str | os.PathLike[str]) -> Fingerprint:
 def realpath(checkpoint: str | os.PathLike[str]) -> Fingerprint:
     """The model path alone, resolved: what a path-keyed cache would use."""
     if not os.path.isdir(checkpoint):
-        raise CheckpointError(f"checkpoint directory {checkpoint} does not exist")
+        raise CheckpointError(not_a_directory(checkpoint))
     real = os.path.realpath(checkpoint)
     return Fingerprint("realpath", hashlib.sha256(os.fsencode(real)).hexdigest(), "preload-gate (realpath)")
 

@@ -43,8 +43,9 @@ from pgbase import atomic
 from pgbase.digest_text import parse_digest
 from pgbase.errors import CheckpointError, DigestFormatError, ManifestError
 from pgbase.fileset import select_files, servable
-from pgbase.shards import INDEX_NAME, check_unique_tensors, read_header
+from pgbase.shards import INDEX_NAME, check_unique_tensors, not_a_directory, read_header
 from preload import trust
+from preload.identity.config import config_digest
 from preload.identity.digest import checkpoint_digest, content_digest, hash_shards
 from preload.identity.filestat import (
     STAT_BLIND_FILESYSTEMS,
@@ -164,28 +165,6 @@ def manifest_path(checkpoint: str | os.PathLike[str], cache_dir: str | os.PathLi
     return Path(cache_dir or default_cache_dir()) / "manifests" / f"{key}.json"
 
 
-def read_config(checkpoint: str | os.PathLike[str]) -> Any:
-    """The parsed ``config.json`` of ``checkpoint``, or None when it has none.
-
-    Raises :class:`CheckpointError` when it is not readable JSON."""
-    path = Path(checkpoint) / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"config.json is not readable JSON: {exc}") from exc
-
-
-def config_digest(checkpoint: str | os.PathLike[str]) -> str | None:
-    """SHA-256 of ``config.json`` in canonical form (sorted keys, no spaces)."""
-    obj = read_config(checkpoint)
-    if obj is None:
-        return None
-    canon = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canon.encode()).hexdigest()
-
-
 def build_manifest(
     checkpoint: str | os.PathLike[str],
     workers: int | None = None,
@@ -199,7 +178,7 @@ def build_manifest(
     """
     ckpt = Path(checkpoint)
     if not ckpt.is_dir():
-        raise CheckpointError(f"checkpoint directory {ckpt} does not exist")
+        raise CheckpointError(not_a_directory(ckpt))
     dir_before = FileStat.of(ckpt)
     subdirs_before = subdir_stats(ckpt)
     fs = servable(select_files(ckpt))

@@ -119,6 +119,14 @@ BAD = [
     ("fingerprints", ["fingerprints", "--base", "{base}/nope", "--candidate", "{ckpt}"], None, "nope"),
     ("fingerprints", ["fingerprints", "--base", "{ckpt}"], None, "exactly one of"),
     ("preload", ["preload", "{base}/nope", "--stage", "raw"], None, "does not exist"),
+    # A file where the checkpoint folder should be: said so, not "does not exist".
+    ("preload", ["preload", "{base}/afile", "--stage", "raw"], None, "{base}/afile is not a directory"),
+    ("promote", ["promote", "{base}/afile"], None, "{base}/afile is not a directory"),
+    # A file in the socket root's path: no "mkdir -p" advice that would fail too.
+    ("preload", ["preload", "{ckpt}", "--stage", "raw", "--socket-root", "{base}/afile/r"], None,
+     "{base}/afile is not a directory"),
+    ("preload", ["preload", "{ckpt}", "--stage", "raw", "--socket-root", "{base}/afile/sub/r"], None,
+     "{base}/afile is not a directory"),
     ("preload", ["preload", "{ckpt}", "--stage", "raw", "--health-port", "{port}"], None, "already in use"),
     ("preload", ["preload", "{ckpt}", "--stage", "raw", "--socket-root", "{long}"], None, "AF_UNIX"),
     ("preload", ["preload", "{ckpt}", "--stage", "raw", "--socket-root", "{base}/missing/r"], None,
