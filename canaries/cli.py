@@ -77,8 +77,8 @@ def _record(args: argparse.Namespace) -> int:
     from preload.deployment import from_args
 
     settings = from_args(args)
+    prompts = load_prompts(args.prompts) if args.prompts else None  # read-only: before the --out probe
     _preflight_record(args.model, args.out, settings.to_json())
-    prompts = load_prompts(args.prompts) if args.prompts else None
     golden = record(
         args.model, args.out, prompts=prompts, max_tokens=args.max_tokens, top_logprobs=args.top_logprobs,
         timeout_s=args.timeout, settings=settings,

@@ -43,6 +43,7 @@ def _bench(args: argparse.Namespace) -> int:
         UNLOADED,
         BenchError,
         BenchOptions,
+        check_request,
         load_rows,
         markdown,
         missing,
@@ -67,7 +68,6 @@ def _bench(args: argparse.Namespace) -> int:
         return 0
     from preload.preflight import check_output_dirs
 
-    check_output_dirs({"--out": args.out, "--workdir": args.workdir})  # before the rows run, not after
     params = {}
     for item in args.param:
         key, sep, value = item.partition("=")
@@ -82,6 +82,8 @@ def _bench(args: argparse.Namespace) -> int:
     only = [n for n in args.only.split(",") if n] if args.only else None
     if args.skip_heavy and only:
         raise BenchError("--skip-heavy applies when no --only is given; name the rows you want instead")
+    check_request(options, only)  # names and --param values, before any directory is touched
+    check_output_dirs({"--out": args.out, "--workdir": args.workdir})  # before the rows run, not after
     results = run_rows(options, only, skip_heavy=args.skip_heavy)
     doc = {"results": [r.to_json() for r in results]}
     table = markdown(results)

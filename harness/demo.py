@@ -30,9 +30,11 @@ from pathlib import Path
 
 from harness.engine import DEFAULT_PROMPTS
 from harness.gate import GateOptions, run_gate
+from harness.gate.cases import select_target_cases
 from harness.report import write_reports
 from harness.report.matrix import build_matrix, print_matrix, render_matrix_html
 from harness.report.terminal import TerminalProgress
+from harness.targets import get_target
 from pgbase import atomic
 from preload.preflight import check_output_dirs
 
@@ -93,9 +95,11 @@ def run_demo(model: str = "auto", report_dir: str = "preload-gate-report", mutat
     t0 = time.monotonic()
     model = pick_model(model)
     # Before the scratch dir, the fixture and the engines.
+    cases = mutations if mutations and mutations != "all" else ",".join(DEMO_CASES)
+    for name in targets:  # every name known before the fixture is built and any directory touched
+        select_target_cases(get_target(name), cases)
     check_output_dirs({"--report": report_dir, "--workdir": workdir, "--reference-cache": reference_cache})
     scratch = Path(workdir or tempfile.mkdtemp(prefix="preload-gate-demo-"))
-    cases = mutations if mutations and mutations != "all" else ",".join(DEMO_CASES)
     out = Path(report_dir)
     try:
         ckpt = scratch / model

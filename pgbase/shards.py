@@ -62,8 +62,14 @@ class ShardHeader:
 def not_a_directory(checkpoint: str | os.PathLike[str]) -> str:
     """Why ``checkpoint`` is no checkpoint directory, in one line: missing, or
     something else (a file) at that path."""
+    hint = "give the folder that holds config.json and the shards"
     if os.path.lexists(checkpoint):
-        return f"checkpoint {checkpoint} is not a directory; give the folder that holds config.json and the shards"
+        return f"checkpoint {checkpoint} is not a directory; {hint}"
+    up = Path(checkpoint).parent
+    while not os.path.lexists(up) and up != up.parent:
+        up = up.parent
+    if not up.is_dir():
+        return f"checkpoint {checkpoint} cannot exist: {up} is not a directory; {hint}"
     return f"checkpoint directory {checkpoint} does not exist"
 
 

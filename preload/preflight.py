@@ -28,6 +28,7 @@ from pathlib import Path
 from pgbase.digest_text import SHORT_CHARS
 from pgbase.errors import PreflightError, PreloadGateError
 from pgbase.outdir import check_output_dir, check_output_dirs
+from pgbase.shards import not_a_directory
 from preload import trust
 from preload.preflight_vllm import (
     VLLM_DTYPES,
@@ -235,10 +236,8 @@ def _own_real_dir(path: Path) -> bool:
 
 def check_checkpoint(checkpoint: str | os.PathLike[str]) -> None:
     p = Path(checkpoint)
-    if not p.exists():
-        raise PreflightError(f"checkpoint directory {p} does not exist")
     if not p.is_dir():
-        raise PreflightError(f"checkpoint {p} is not a directory")
+        raise PreflightError(not_a_directory(p))
     if not os.access(p, os.R_OK | os.X_OK):
         raise PreflightError(f"checkpoint directory {p} is not readable")
 

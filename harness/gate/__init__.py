@@ -57,7 +57,7 @@ from harness.targets.checkpoints import weight_files
 from harness.verdict import NOT_RUN, PASS, Expectation, expected_outcome, judge
 from preload.deployment import DeploymentSettings
 from preload.identity.digest import content_digest
-from preload.preflight import check_output_dirs
+from preload.preflight import check_dtype, check_engine_choices, check_output_dirs
 
 TARGETS = NAMES
 
@@ -91,6 +91,10 @@ def run_gate(opts: GateOptions) -> GateReport:
     cases = select_target_cases(target, opts.mutations or "all") if self_test else [promotion_case(opts)]
     if not self_test and opts.base and getattr(target, "uses_daemon_path", False):
         cases.append(switch_case(opts))
+    if not self_test:  # the deployment settings vLLM would refuse, before any daemon or engine
+        settings = gate_settings(opts).to_json()
+        check_dtype(str(settings.get("dtype") or "auto"))
+        check_engine_choices(settings)
     # Every directory the run writes is known now, not after the engines ran;
     # checked after the read-only checks above (the probe changes a directory's stat).
     check_output_dirs({"--report": opts.report_dir, "--workdir": opts.workdir,

@@ -121,7 +121,8 @@ BAD = [
     ("preload", ["preload", "{base}/nope", "--stage", "raw"], None, "does not exist"),
     # A file where the checkpoint folder should be: said so, not "does not exist".
     ("preload", ["preload", "{base}/afile", "--stage", "raw"], None, "{base}/afile is not a directory"),
-    ("promote", ["promote", "{base}/afile"], None, "{base}/afile is not a directory"),
+    ("promote", ["promote", "{base}/afile"], None, "{base}/afile is not a directory; give the folder"),
+    ("preload", ["preload", "{base}/afile/x", "--dry-run"], None, "{base}/afile is not a directory"),
     # A file in the socket root's path: no "mkdir -p" advice that would fail too.
     ("preload", ["preload", "{ckpt}", "--stage", "raw", "--socket-root", "{base}/afile/r"], None,
      "{base}/afile is not a directory"),
@@ -217,14 +218,18 @@ BAD = [
     ("canary", ["canary", "check", "--base-url", "not-a-url", "--golden", "{base}/g.json"], None,
      "is not an http(s) URL"),
     ("status", ["status", "--socket-root", "{base}/afile"], None, "is not a directory"),
-    ("bench", ["bench", "--out", "{base}/afile", "--only", "no_such_row"], None, "is not a directory"),
+    # A real row named: the directory checks refuse before it runs (row names
+    # and --param values are checked before them, so no probe precedes a refusal).
+    ("bench", ["bench", "--out", "{base}/afile", "--only", "restart_identity"], None, "is not a directory"),
     # Every directory a verb writes is checked before anything runs (it was a
     # traceback after the fixture was written, or after the engines ran).
-    ("bench", ["bench", "--workdir", "{base}/afile", "--only", "no_such_row"], None,
+    ("bench", ["bench", "--workdir", "{base}/afile", "--only", "restart_identity"], None,
      "--workdir {base}/afile is not a directory"),
-    ("bench", ["bench", "--workdir", "/proc/pg-no-such-work", "--only", "no_such_row"], None, "cannot be written"),
-    # Control: a good --workdir passes that check and bench stops at its next one.
-    ("bench", ["bench", "--workdir", "{base}/cwd/w", "--only", "no_such_row"], None, "no_such_row"),
+    ("bench", ["bench", "--workdir", "/proc/pg-no-such-work", "--only", "restart_identity"], None,
+     "cannot be written"),
+    # Control: a good --workdir passes its check and bench stops at the next flag's.
+    ("bench", ["bench", "--workdir", "{base}/cwd/w", "--out", "{base}/afile", "--only", "restart_identity"], None,
+     "--out {base}/afile is not a directory"),
     ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--workdir", "{base}/afile"], None,
      "--workdir {base}/afile is not a directory"),
     ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--workdir", "{base}/afile/sub"], None,

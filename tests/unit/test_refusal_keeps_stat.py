@@ -56,6 +56,17 @@ ROWS = [
     # The golden beside the weights, and a dtype the engine would refuse.
     ("canary record, bad dtype", ["canary", "record", "--model", "{ckpt}", "--out", "{ckpt}/golden.json",
                                   "--dtype", "float7"], "float7"),
+    ("canary record, missing prompts", ["canary", "record", "--model", "{ckpt}", "--out", "{ckpt}/sub/g.json",
+                                        "--prompts", "{ckpt}/no-such-prompts.txt"], "no-such-prompts"),
+    # OUT through a missing folder and back: the folder it resolves to is the checkpoint.
+    ("fixtures through x/../..", ["fixtures", "tiny", "{ckpt}/x/../../ckpt"], "not an empty directory"),
+    # A later flag bad: no earlier flag's directory probed first.
+    ("gate, bad later directory", ["gate", "{ckpt}", "--report", "{ckpt}", "--reference-cache",
+                                   "{ckpt}/config.json"], "--reference-cache"),
+    ("gate, bad dtype", ["gate", "{ckpt}", "--report", "{ckpt}/r", "--dtype", "bogus"], "bogus"),
+    ("bench, unknown param", ["bench", "--out", "{ckpt}", "--param", "bogus=1"], "bogus"),
+    ("bench, unknown row", ["bench", "--out", "{ckpt}/b", "--workdir", "{ckpt}", "--only", "nosuch"], "nosuch"),
+    ("demo, unknown mutation", ["demo", "--report", "{ckpt}", "--mutations", "nosuch"], "nosuch"),
 ]
 
 
