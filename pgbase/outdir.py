@@ -15,6 +15,15 @@ from pathlib import Path
 from pgbase.errors import PreflightError
 
 
+def nearest_existing(path: str | os.PathLike[str]) -> Path:
+    """``path`` itself if something is there (followed or not), else its
+    nearest ancestor that exists: what a ``mkdir -p`` of it would start from."""
+    up = Path(path)
+    while not os.path.lexists(up) and up != up.parent:
+        up = up.parent
+    return up
+
+
 def check_output_dir(path: str | os.PathLike[str], flag: str, must_be_empty: bool = False) -> None:
     """``path`` (a directory a verb will write, given as ``flag``) exists as a
     writable directory or can be created, checked before anything runs.
@@ -38,9 +47,7 @@ def check_output_dir(path: str | os.PathLike[str], flag: str, must_be_empty: boo
 def _check_shape(path: str | os.PathLike[str], flag: str, must_be_empty: bool) -> Path:
     """The read-only half: the nearest existing directory the probe would use."""
     out = Path(os.path.realpath(path))
-    probe = out
-    while not os.path.lexists(probe) and probe != probe.parent:
-        probe = probe.parent
+    probe = nearest_existing(out)
     if not probe.is_dir():
         what = "is not a directory" if probe == out else f"cannot be created: its parent {probe} is not a directory"
         raise PreflightError(f"{flag} {path} {what}; choose a writable {flag} directory")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pgbase.errors import CheckpointError
 from pgbase.fileset import select_files, servable
+from pgbase.outdir import nearest_existing
 
 INDEX_NAME = "model.safetensors.index.json"
 # safetensors itself refuses headers above 100 MB.
@@ -65,9 +66,7 @@ def not_a_directory(checkpoint: str | os.PathLike[str]) -> str:
     hint = "give the folder that holds config.json and the shards"
     if os.path.lexists(checkpoint):
         return f"checkpoint {checkpoint} is not a directory; {hint}"
-    up = Path(checkpoint).parent
-    while not os.path.lexists(up) and up != up.parent:
-        up = up.parent
+    up = nearest_existing(Path(checkpoint).parent)
     if not up.is_dir():
         return f"checkpoint {checkpoint} cannot exist: {up} is not a directory; {hint}"
     return f"checkpoint directory {checkpoint} does not exist"

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pgbase.digest_text import SHORT_CHARS
 from pgbase.errors import PreflightError, PreloadGateError
-from pgbase.outdir import check_output_dir, check_output_dirs
+from pgbase.outdir import check_output_dir, check_output_dirs, nearest_existing
 from pgbase.shards import not_a_directory
 from preload import trust
 from preload.preflight_vllm import (
@@ -64,9 +64,7 @@ def check_socket_root(root: str | os.PathLike[str], ranks: Iterable[int] = (0,),
             raise PreflightError(problem.replace(f"{r}/{'0' * SHORT_CHARS}", f"{r}/<digest16>"))
     parent = r.parent
     if not parent.is_dir():
-        up = parent
-        while not os.path.lexists(up) and up != up.parent:
-            up = up.parent
+        up = nearest_existing(parent)
         if not up.is_dir():  # mkdir -p would fail too: say what is in the way
             raise PreflightError(f"the socket root {r} cannot be made: {up} is not a directory; "
                                  "choose another --socket-root")
