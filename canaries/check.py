@@ -30,7 +30,7 @@ from canaries.claims import Claim
 from canaries.compare import DEFAULT_TOLERANCE
 from canaries.errors import GoldenRefusedError
 from canaries.golden import Golden
-from canaries.replica import ANSWER_MISMATCH, CANNOT_JUDGE, Replica, ReplicaResult
+from canaries.replica import ANSWER_MISMATCH, CANNOT_JUDGE, UNJUDGED, Replica, ReplicaResult
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RETRIES = 2
@@ -53,8 +53,8 @@ class CheckReport:
 
     @property
     def judged(self) -> bool:
-        """False when some replica's answers could not be judged (``cannot_judge``)."""
-        return not any(r.reason == CANNOT_JUDGE for r in self.results)
+        """False when some replica's answers could not be judged (a reason of ``UNJUDGED``)."""
+        return not any(r.reason in UNJUDGED for r in self.results)
 
     def to_json(self) -> dict[str, Any]:
         return {

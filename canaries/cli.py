@@ -200,9 +200,13 @@ def _check(args: argparse.Namespace) -> int:
     # check marks them); an unreachable replica, a version or a digest-claim
     # mismatch is a failure of its own whatever the golden records.
     if not report.judged:
+        from canaries.errors import UnjudgedRepliesError
         from canaries.fit import UnkeyedGoldenError
+        from canaries.replica import CANNOT_JUDGE
 
-        raise UnkeyedGoldenError(["config_digest"])
+        if any(r.reason == CANNOT_JUDGE for r in report.results):
+            raise UnkeyedGoldenError(["config_digest"])
+        raise UnjudgedRepliesError([(r.base_url, r.detail) for r in report.results if r.verdict == "CANNOT-JUDGE"])
     if not report.ok and args.checkpoint is None:
         # Without the served folder the config and tokenizer were never compared.
         print("note: config.json and tokenizer were not compared with the golden's (no --checkpoint); "

@@ -55,12 +55,21 @@ def _number(x: Any, where: str) -> float | None:
 
 
 def parse_completion(body: Any, n_prompts: int) -> list[Answer]:
-    """Answers, in prompt order, from a completions response body (parsed JSON)."""
+    """Answers, in prompt order, from a completions response body (parsed JSON).
+
+    Raises :class:`ReplicaFailure`: ``no_choices`` (no ``choices`` list, or
+    not one choice per prompt), ``no_logprobs`` (a choice whose ``logprobs``
+    is null or absent: its tokens cannot be read as ids), ``malformed``
+    (anything else not in the wire format). Logprobs missing at a position
+    (null, or lists shorter than ``tokens``) are kept as None: whether that
+    prevents a judgement is :func:`canaries.compare.compare_answer`'s to say.
+    """
     if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
-        raise ReplicaFailure("malformed", "completion response has no 'choices' list")
+        keys = ", ".join(sorted(map(str, body)))[:80] if isinstance(body, dict) else type(body).__name__
+        raise ReplicaFailure("no_choices", f"completion response has no 'choices' list (it has: {keys or 'nothing'})")
     choices = body["choices"]
     if len(choices) != n_prompts:
-        raise ReplicaFailure("malformed", f"completion response has {len(choices)} choices for {n_prompts} prompts")
+        raise ReplicaFailure("no_choices", f"completion response has {len(choices)} choices for {n_prompts} prompts")
     answers: list[Answer | None] = [None] * n_prompts
     for pos, ch in enumerate(choices):
         if not isinstance(ch, dict):
@@ -68,31 +77,52 @@ def parse_completion(body: Any, n_prompts: int) -> list[Answer]:
         idx = ch.get("index", pos)
         if not isinstance(idx, int) or not 0 <= idx < n_prompts or answers[idx] is not None:
             raise ReplicaFailure("malformed", f"choice {pos} has a bad or repeated index {idx!r}")
-        lp = ch.get("logprobs")
-        if not isinstance(lp, dict) or not isinstance(lp.get("tokens"), list):
-            raise ReplicaFailure("malformed", f"choice {idx} has no logprobs.tokens")
-        where = f"choice {idx}"
-        ids = [_parse_token(t, where) for t in lp["tokens"]]
-        token_lps = lp.get("token_logprobs") or []
-        tops = lp.get("top_logprobs") or []
-        if not isinstance(token_lps, list) or not isinstance(tops, list):
-            raise ReplicaFailure("malformed", f"{where}: logprobs are not lists")
-        top: list[dict[int, float]] = []
-        for step in tops:
-            if step is None:
-                top.append({})
-                continue
-            if not isinstance(step, dict):
-                raise ReplicaFailure("malformed", f"{where}: a top_logprobs entry is not an object")
-            parsed: dict[int, float] = {}
-            for k, v in step.items():
-                val = _number(v, where)
-                if val is None:
-                    raise ReplicaFailure("malformed", f"{where}: top logprob of {k!r} is null")
-                parsed[_parse_token(k, where)] = val
-            top.append(parsed)
-        answers[idx] = Answer(ids, [_number(x, where) for x in token_lps], top)
+        answers[idx] = _answer(ch, f"choice {idx}")
     return [a for a in answers if a is not None]
+
+
+def _answer(ch: dict[str, Any], where: str) -> Answer:
+    lp = ch.get("logprobs")
+    if lp is None:
+        raise ReplicaFailure("no_logprobs", f"{where}: the server returned no logprobs ('logprobs' is null); "
+                             f"{ENABLE_LOGPROBS}")
+    if not isinstance(lp, dict) or not isinstance(lp.get("tokens"), list):
+        raise ReplicaFailure("malformed", f"{where} has no logprobs.tokens")
+    ids = [_parse_token(t, where) for t in lp["tokens"]]
+    token_lps = lp.get("token_logprobs") or []
+    tops = lp.get("top_logprobs") or []
+    if not isinstance(token_lps, list) or not isinstance(tops, list):
+        raise ReplicaFailure("malformed", f"{where}: logprobs are not lists")
+    if len(token_lps) > len(ids) or len(tops) > len(ids):
+        raise ReplicaFailure("malformed", f"{where}: {len(token_lps)} token_logprobs and {len(tops)} top_logprobs "
+                             f"for {len(ids)} tokens")
+    top: list[dict[int, float] | None] = []
+    for step in tops:
+        if step is None:
+            top.append(None)
+            continue
+        if not isinstance(step, dict):
+            raise ReplicaFailure("malformed", f"{where}: a top_logprobs entry is not an object")
+        parsed: dict[int, float] = {}
+        for k, v in step.items():
+            val = _number(v, where)
+            if val is None:
+                raise ReplicaFailure("malformed", f"{where}: top logprob of {k!r} is null")
+            parsed[_parse_token(k, where)] = val
+        top.append(parsed)
+    # Shorter lists than tokens: the positions past their end have none.
+    chosen = [_number(x, where) for x in token_lps] + [None] * (len(ids) - len(token_lps))
+    top += [None] * (len(ids) - len(top))
+    reason = ch.get("finish_reason")
+    return Answer(ids, chosen, top, reason if isinstance(reason, str) else None)
+
+
+# What a replica must do for a canary to judge it; said under every no_logprobs.
+ENABLE_LOGPROBS = (
+    "the canary compares logprobs, so the replica must return them for every token it asks about "
+    "(vLLM does, up to its --max-logprobs, default 20; a router or gateway in front must pass "
+    "'logprobs' and 'return_tokens_as_token_ids' through, or check the replica's own URL)"
+)
 
 
 def version_from_completion(body: Any) -> str | None:

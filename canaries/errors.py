@@ -36,3 +36,18 @@ class GoldenRefusedError(PreloadGateError):
             f"but {source} says the replica serves {claimed_digest[:16]}; "
             "record a golden for that checkpoint (preload-gate canary record) or check the right replica"
         )
+
+
+class UnjudgedRepliesError(PreloadGateError):
+    """Replicas answered, but their replies lack what a judgement needs
+    (logprobs, the full answer): neither a pass nor a failure.
+
+    ``replicas`` is ``[(base_url, detail)]``; the message is the first one's
+    whole line, and how many more there are.
+    """
+
+    def __init__(self, replicas: list[tuple[str, str]]) -> None:
+        self.replicas = replicas
+        url, detail = replicas[0]
+        more = f" (and {len(replicas) - 1} more replicas; each line above)" if len(replicas) > 1 else ""
+        super().__init__(f"cannot judge {url}: {detail.removeprefix('not judged: ')}{more}")

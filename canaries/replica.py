@@ -15,8 +15,9 @@ from typing import Any
 
 from openai import APIConnectionError, APIStatusError, APITimeoutError, AsyncOpenAI
 
-from canaries.compare import Answer, Difference, compare_answers
+from canaries.compare import NO_LOGPROBS, SHORT_ANSWER, Answer, Difference, Gap, compare_answers
 from canaries.completion import (
+    ENABLE_LOGPROBS,
     ReplicaFailure,
     api_urls,
     json_body,
@@ -34,6 +35,9 @@ ANSWER_MISMATCH = frozenset({"token_mismatch", "logprob_drift"})
 # Differing answers against a golden that cannot show it describes what the
 # replica serves (no config digest: r02): neither a pass nor a failure.
 CANNOT_JUDGE = "cannot_judge"
+# Every reason printed CANNOT-JUDGE: the replica answered, but what it sent
+# (or the golden) cannot decide between right and wrong weights.
+UNJUDGED = frozenset({CANNOT_JUDGE, NO_LOGPROBS, SHORT_ANSWER})
 # The word each result is printed with: PASS, NEAR-TIE, FAIL or CANNOT-JUDGE.
 VERDICTS = ("PASS", "NEAR-TIE", "FAIL", "CANNOT-JUDGE")
 
@@ -46,9 +50,12 @@ class ReplicaResult:
     golden recorded within the tolerance swapped: ``near_ties`` names each),
     ``token_mismatch``, ``logprob_drift``,
     ``unreachable``, ``timeout``, ``http_error``, ``malformed``,
+    ``no_choices`` (no ``choices`` list, or not one per prompt),
     ``no_model``, ``version_mismatch``, ``error`` (anything else, named),
-    ``cannot_judge`` (answers differ from a golden that cannot tell a config
-    change from wrong weights: :data:`CANNOT_JUDGE`).
+    and the reasons of :data:`UNJUDGED`: ``cannot_judge`` (answers differ
+    from a golden that cannot tell a config change from wrong weights),
+    ``no_logprobs`` (the reply lacks logprobs a judgement needs),
+    ``short_answer`` (the server cut an answer before the golden's length).
     """
 
     base_url: str
@@ -71,10 +78,21 @@ class ReplicaResult:
         """One of :data:`VERDICTS`: how this result is printed."""
         if self.ok:
             return "NEAR-TIE" if self.reason == "near_tie" else "PASS"
-        return "CANNOT-JUDGE" if self.reason == CANNOT_JUDGE else "FAIL"
+        return "CANNOT-JUDGE" if self.reason in UNJUDGED else "FAIL"
 
     def line(self) -> str:
         return f"{self.verdict} {self.base_url}: {self.detail}"
+
+
+def gap_detail(gap: Gap, golden: Golden) -> str:
+    """The line for a reply that lacks what a judgement needs: what it lacks,
+    where, and what makes the replica answer in full."""
+    where = f"prompt {gap.prompt_index} at position {gap.position} ({gap.what})"
+    if gap.kind == NO_LOGPROBS:
+        return (f"not judged: the server returned no logprobs for {where}, "
+                f"{golden.sampling.top_logprobs} top logprobs asked; {ENABLE_LOGPROBS}")
+    return (f"not judged: the server cut the answer to {where}, {golden.sampling.max_tokens} tokens asked; "
+            "a server or router limit on max_tokens stopped it: raise that limit, or check the replica's own URL")
 
 
 class Replica:
@@ -169,7 +187,7 @@ class Replica:
                     )
         source = "probe" if version is not None and not self.version_note else (
             self.version_note or "unknown: the replica did not say; not compared")
-        comparison = compare_answers(self.golden.prompts, answers, self.tolerance)
+        comparison = compare_answers(self.golden.prompts, answers, self.tolerance, self.golden.sampling.top_logprobs)
         shape = f"{len(answers)} prompts x {self.golden.sampling.max_tokens} tokens"
         if comparison.ok and comparison.near_ties:
             ties = [asdict(t) for t in comparison.near_ties]
@@ -189,6 +207,11 @@ class Replica:
                 f"{shape} match; max |logprob delta| {comparison.max_delta:.4f} (tolerance {self.tolerance:g})"
                 + ("" if source == "probe" else f"; vLLM version {source}"),
                 model=model, vllm_version=version, max_logprob_delta=comparison.max_delta, version_source=source,
+            )
+        if comparison.gap is not None:
+            return ReplicaResult(
+                self.base_url, False, comparison.gap.kind, gap_detail(comparison.gap, self.golden),
+                model=model, vllm_version=version, version_source=source, max_logprob_delta=comparison.max_delta,
             )
         diff = comparison.difference
         assert diff is not None

@@ -39,13 +39,13 @@ def test_identical_answer_matches_with_zero_delta() -> None:
     [
         ([9, 6, 7], 0, 9),  # first token differs
         ([5, 6, 9], 2, 9),  # last token differs
-        ([5, 6], 2, None),  # answer ended early
+        ([5, 6], 2, None),  # the model ended the answer early (finish_reason "stop")
         ([5, 6, 7, 8], 3, 8),  # answer ran long
     ],
 )
 def test_first_token_difference_is_named(got: list[int], position: int, got_id: int | None) -> None:
     g = gp()
-    a = Answer(got, [-0.1] * len(got), [{t: -0.1} for t in got])
+    a = Answer(got, [-0.1] * len(got), [{t: -0.1} for t in got], finish_reason="stop")
     c = compare_answer(g, 3, a, tolerance=10.0)  # a loose tolerance must not hide a token change
     assert not c.ok
     d = c.difference
@@ -91,11 +91,12 @@ def test_boundary_tie_in_top_k_is_accepted_but_a_new_strong_token_is_not() -> No
     assert not c.ok and c.difference.token_id == 42
 
 
-def test_missing_logprobs_are_a_difference_not_a_pass() -> None:
+def test_missing_logprobs_are_a_gap_not_a_pass_nor_drift() -> None:
     g = gp()
-    a = Answer(list(g.token_ids), [None, None, None], [{}, {}, {}])
+    a = Answer(list(g.token_ids), [None, None, None], [None, None, None])
     c = compare_answer(g, 0, a, tolerance=1.0)
-    assert not c.ok and c.difference.kind == "logprob"
+    assert not c.ok and c.difference is None
+    assert c.gap is not None and (c.gap.kind, c.gap.position) == ("no_logprobs", 0)
 
 
 def test_compare_answers_reports_first_prompt_in_order() -> None:
