@@ -8,6 +8,8 @@ not run (no case ran end to end, or the daemon did not start).
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,13 @@ class CaseResult:
     reference: EngineResult | None = None
     cached: EngineResult | None = None
     reference_reused: bool = False
+
+    def record(self, verdict: Verdict) -> None:
+        """Take ``verdict``: its status, and for a NOT_RUN verdict (an
+        unusable reference) its details as the reason it was not run."""
+        self.verdict = verdict
+        self.status = verdict.status
+        self.not_run_reason = "; ".join(verdict.details) if verdict.status == NOT_RUN else ""
 
     def to_json(self) -> dict[str, Any]:
         def engine(r: EngineResult | None) -> dict[str, Any] | None:
@@ -135,5 +144,19 @@ class GateReport:
             "error": self.error,
             "daemon": self.daemon,
             "golden": self.golden,
-            "cases": [c.to_json() for c in self.cases],
+            "cases": [strict_floats(c.to_json()) for c in self.cases],
         }
+
+
+def strict_floats(obj: Any) -> Any:
+    """``obj`` with each NaN or infinite float as the string Python's json
+    module would write for it (``"NaN"``, ``"Infinity"``, ``"-Infinity"``):
+    an unusable engine's logprobs then stay in report.json as strict JSON,
+    which jq, browsers and CI readers accept (they refuse bare ``NaN``)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return json.dumps(obj)
+    if isinstance(obj, dict):
+        return {k: strict_floats(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_floats(v) for v in obj]
+    return obj

@@ -18,8 +18,17 @@ lists them:
 - ``unexpected_miss``: a miss where a hit was required.
 - ``error``: an engine failed, or its events break the contract (not one
   per rank, unknown outcome).
+- ``candidate_unusable``: the cached engine's answers carry no usable
+  numbers (NaN or +inf logprobs, a chosen token at -inf, logprobs missing)
+  where the ``auto`` reference's are usable.
 
 ``NOT_RUN`` is not a pass: a case the platform cannot run says so and why.
+A case whose engines ran is NOT_RUN with ``reference_unusable`` when the
+``auto`` reference itself gave no usable answers (NaN or +inf logprobs, no
+tokens, missing logprobs: e.g. an fp8 ``quantization_config`` on a bf16
+checkpoint, on CPU): its outputs cannot judge anything, so the cache is
+neither passed nor blamed by them. What the load events show against the
+gate's own digests (a wrong hit, a silent fallback) still blocks.
 """
 
 from __future__ import annotations
@@ -39,7 +48,10 @@ REASONS = (
     "silent_fallback",
     "unexpected_miss",
     "error",
+    "candidate_unusable",
 )
+# Why a case whose engines ran is still NOT_RUN (nothing could be judged).
+NOT_RUN_REASONS = ("reference_unusable",)
 # Max |logprob(cached) - logprob(auto)| of a chosen token, in nats. Same
 # weights on the same kernels give bitwise equal logits; the slack only
 # absorbs a reduction order that differs between two engine starts.
@@ -135,6 +147,45 @@ def max_logprob_diff(reference: EngineResult, candidate: EngineResult) -> float:
     return worst
 
 
+def unusable(result: EngineResult) -> str | None:
+    """What makes a run's answers unusable for a comparison, in words; None
+    when they are usable.
+
+    Unusable: no prompt answered, a prompt with no tokens, a position
+    without logprobs or without the chosen token's, a NaN or +inf logprob
+    anywhere (a logprob is at most 0), or the chosen token at -inf (greedy
+    picked a token of probability 0: the distribution is garbage).
+    Non-finite positions are counted, the first named.
+    """
+    if not result.token_ids:
+        return "it answered no prompt"
+    bad: list[tuple[int, int, str]] = []
+    positions = 0
+    for p, ids in enumerate(result.token_ids):
+        if not ids:
+            return f"prompt {p}: no tokens"
+        steps = result.logprobs[p] if p < len(result.logprobs) else []
+        if len(steps) < len(ids):
+            return f"prompt {p}: logprobs for {len(steps)} of its {len(ids)} tokens"
+        for i, (tid, step) in enumerate(zip(ids, steps, strict=False)):
+            positions += 1
+            chosen = step.get(str(tid))
+            if chosen is None:
+                return f"prompt {p} position {i}: no logprob for the chosen token {tid}"
+            values = [float(v) for v in step.values()]
+            if any(math.isnan(v) for v in values):
+                bad.append((p, i, "NaN"))
+            elif any(v == math.inf for v in values):
+                bad.append((p, i, "+inf"))
+            elif chosen == -math.inf:
+                bad.append((p, i, "-inf for the chosen token"))
+    if not bad:
+        return None
+    kinds = sorted({k for *_, k in bad})
+    p, i, _ = bad[0]
+    return f"{'/'.join(kinds)} logprobs at {len(bad)} of {positions} positions (first: prompt {p} position {i})"
+
+
 def expected_event_ranks(exp: Expectation) -> list[tuple[int, int]]:
     """The (dp rank, rank) of every load event a run must record: one per
     engine rank, on every DP replica."""
@@ -214,7 +265,11 @@ def judge(
     candidate: EngineResult,
     tolerance: float = LOGPROB_TOLERANCE,
 ) -> Verdict:
-    """Judge one case. Every applicable reason is listed, not only the first."""
+    """Judge one case. Every applicable reason is listed, not only the first.
+
+    A reference that ran but is :func:`unusable` compares nothing: the case
+    is NOT_RUN (``reference_unusable``) unless the events alone block it.
+    """
     v = Verdict(status=PASS)
     if not reference.ok:
         v._block("error", f"the auto reference engine failed: {reference.error}")
@@ -234,6 +289,33 @@ def judge(
         )
     if not reference.ok:
         return v
+    if reference_unusable(v, reference):
+        return v
+    compare_outputs(v, reference, candidate, tolerance)
+    return v
+
+
+def reference_unusable(v: Verdict, reference: EngineResult) -> bool:
+    """True when ``reference`` is :func:`unusable`: ``v`` then says so, and
+    is NOT_RUN unless something else already blocked it."""
+    problem = unusable(reference)
+    if problem is None:
+        return False
+    detail = (f"the auto reference on the candidate is unusable: {problem}; nothing was compared with it. "
+              "The checkpoint gives auto engines no usable answers under these settings: run it with "
+              "--load-format auto alone and fix what makes it so (e.g. a quantization_config that does not "
+              "match the stored weights, or a dtype the model overflows in)")
+    if v.status == BLOCK:
+        v.details.append(f"note: outputs not compared: {detail}")
+    else:
+        v.status = NOT_RUN
+        v.reasons.append("reference_unusable")
+        v.details.append(f"reference_unusable: {detail}")
+    return True
+
+
+def compare_outputs(v: Verdict, reference: EngineResult, candidate: EngineResult, tolerance: float) -> None:
+    """Tokens, then the candidate's usability, then logprobs, against a usable reference."""
     diff = first_difference(reference.token_ids, candidate.token_ids)
     if diff is not None:
         v.first_difference = diff
@@ -242,8 +324,13 @@ def judge(
             f"prompt {diff['prompt']} position {diff['position']}: "
             f"auto {diff['reference']} vs cached {diff['candidate']}",
         )
+    broken = unusable(candidate)
+    if broken is not None:
+        # A drift "of inf" would say nothing more: the numbers are gone.
+        v._block("candidate_unusable", f"the cached engine's answers are unusable: {broken}, "
+                                       "where the auto reference's are usable")
+        return
     drift = max_logprob_diff(reference, candidate)
     v.max_logprob_diff = drift
     if drift > tolerance:
         v._block("logprob_drift", f"chosen-token logprob differs by {drift:.3g} > {tolerance:g}")
-    return v

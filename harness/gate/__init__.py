@@ -350,7 +350,6 @@ def _judge(opts: GateOptions, p: _Prepared) -> None:
         dp_size=p.case.settings.data_parallel_size,
         is_moe=p.is_moe,
     )
-    r.verdict = judge(exp, r.reference, r.cached, opts.tolerance)
-    r.status = r.verdict.status
-    r.not_run_reason = ""
-    opts.note("verdict", f"{r.name}: {r.status} {' '.join(r.verdict.reasons)}")
+    verdict = judge(exp, r.reference, r.cached, opts.tolerance)
+    r.record(verdict)
+    opts.note("verdict", f"{r.name}: {r.status} {' '.join(verdict.reasons)}")

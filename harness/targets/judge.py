@@ -20,10 +20,10 @@ from harness.verdict import (
     PASS,
     Expectation,
     Verdict,
+    compare_outputs,
     expected_outcome,
-    first_difference,
     judge,
-    max_logprob_diff,
+    reference_unusable,
 )
 
 if TYPE_CHECKING:
@@ -40,16 +40,8 @@ def judge_output_only(reference: EngineResult, cached: EngineResult, served: Ser
         v._block("error", f"the auto reference engine failed: {reference.error}")
     if not cached.ok:
         v._block("error", f"the cached engine failed: {cached.error}")
-    if reference.ok and cached.ok:
-        diff = first_difference(reference.token_ids, cached.token_ids)
-        if diff is not None:
-            v.first_difference = diff
-            v._block("output_mismatch", f"prompt {diff['prompt']} position {diff['position']}: "
-                                        f"auto {diff['reference']} vs cached {diff['candidate']}")
-        drift = max_logprob_diff(reference, cached)
-        v.max_logprob_diff = drift
-        if drift > tolerance:
-            v._block("logprob_drift", f"chosen-token logprob differs by {drift:.3g} > {tolerance:g}")
+    if reference.ok and cached.ok and not reference_unusable(v, reference):
+        compare_outputs(v, reference, cached, tolerance)
     v.details.append(f"note: {UNPROVEN}")
     v.details += [f"note: {n}" for n in served.notes]
     return v

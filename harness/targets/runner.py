@@ -124,9 +124,9 @@ def run_target(target: CacheTarget, opts: Any, cases: list[GateCase], report: Ga
                 served.notes.append(f"the cached engine is the one run for {it.shared_with}: the same spec "
                                     "(it reads the same cache files whatever the candidate)")
             r.cached.events = served.events or r.cached.events
-            r.verdict = judge_served(target, it.case, r, served, opts.tolerance)
-            r.status = r.verdict.status
-            note("verdict", f"{target.name} {r.name}: {r.status} {' '.join(r.verdict.reasons)}")
+            verdict = judge_served(target, it.case, r, served, opts.tolerance)
+            r.record(verdict)
+            note("verdict", f"{target.name} {r.name}: {r.status} {' '.join(verdict.reasons)}")
     finally:
         for cache in caches.values():
             target.close(cache)

@@ -206,9 +206,9 @@ def test_case_is_not_run_until_judged(tiny_ckpt, tmp_path, monkeypatch):
     assert p.result.status == NOT_RUN and p.result.not_run_reason
     report = GateReport("self-test", "verified_cache", "c", "b", [p.result], {}, 1e-3, None)
     assert report.verdict == NOT_RUN and report.exit_code == 2
-    same = EngineResult(ok=True, token_ids=[[1, 2]])
-    p.result.reference = same
-    p.result.cached = EngineResult(ok=True, token_ids=[[1, 2]],
+    answers = {"token_ids": [[1, 2]], "logprobs": [[{"1": -0.1}, {"2": -0.2}]]}
+    p.result.reference = EngineResult(ok=True, **answers)
+    p.result.cached = EngineResult(ok=True, **answers,
                                    events=[{"outcome": "hit", "rank": 0, "digest": digest, "daemon_digest": digest}])
     _judge(GateOptions(candidate=str(tiny_ckpt)), p)
     assert p.result.status == PASS and report.verdict == PASS

@@ -209,3 +209,38 @@ def test_recorded_self_test_shows_hits_and_loud_misses():
         if c["status"] == "PASS" and c["expect"] == "miss":
             (event,) = c["cached"]["events"]
             assert event["outcome"] == "miss" and event["reason"]
+
+
+def test_schema_names_every_verdict_reason_and_holds_an_unusable_reference(schema):
+    """The schema's reasons are the verdict's (a new reason cannot be left
+    out of it), and a case judged NOT_RUN for an unusable reference is a
+    valid report whose JUnit entry is skipped with the reason."""
+    import math
+
+    from harness.verdict import NOT_RUN_REASONS, REASONS, Expectation, judge
+
+    enum = schema["$defs"]["verdict"]["properties"]["reasons"]["items"]["enum"]
+    assert sorted(enum) == sorted(REASONS + NOT_RUN_REASONS)
+    hit = {"outcome": "hit", "reason": "daemon served the key", "fields": [], "digest": D1, "daemon_digest": D1,
+           "rank": 0}
+    ref = _engine([[1, 2, 3]])
+    ref.logprobs = [[{k: math.nan for k in step} for step in row] for row in ref.logprobs]
+    case = CaseResult("nan_reference", "fp8 config on bf16", "hit", True,
+                      {"dtype": "bfloat16", "tensor_parallel_size": 1, "data_parallel_size": 1}, NOT_RUN,
+                      candidate="/n", candidate_digest=D1, daemon_digest=D1,
+                      reference=ref, cached=_engine([[1, 2, 3]], [hit]))
+    case.record(judge(Expectation("hit", D1, D1), ref, case.cached))
+    r = GateReport("promotion", "verified_cache", "/n", "/n", [case],
+                   {"unsafe_identity": None, "unsafe_silent_fallback": False, "run_tp": False}, 1e-3, "0.32.0")
+    # Strict JSON (jq and browsers refuse a bare NaN): the logprobs keep their word for it.
+    doc = json.loads(json.dumps(r.to_json(), allow_nan=False))
+    assert doc["cases"][0]["reference"]["logprobs"][0][0] == {"1": "NaN"}
+    assert doc["verdict"] == NOT_RUN and doc["exit_code"] == 2
+    jsonschema.validate(doc, schema, cls=jsonschema.Draft202012Validator)
+    assert 'skipped message="not run: reference_unusable: the auto reference' in render_junit(doc)
+    # Controls: an unusable reference never rides on a PASS, nor on a BLOCK.
+    for status in (PASS, BLOCK):
+        bad = copy.deepcopy(doc)
+        bad["cases"][0]["status"] = bad["cases"][0]["verdict"]["status"] = status
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema, cls=jsonschema.Draft202012Validator)

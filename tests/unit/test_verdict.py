@@ -7,6 +7,7 @@ reason is about, that does not: the control that the check can fail.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from harness.engine import EngineResult
 from harness.verdict import (
     BLOCK,
     LOGPROB_TOLERANCE,
+    NOT_RUN,
     PASS,
     Expectation,
     first_difference,
@@ -53,6 +55,28 @@ def miss(digest=OTHER, fields=("content_digest",), rank=0) -> dict:
 MUTATED = [[5, 6, 7, 8], [9, 10, 99, 12]]
 REF = engine()
 REF_MUT = engine(MUTATED)
+
+
+def spoiled(result: EngineResult, value: float, prompt: int = 0, position: int = 1, chosen: bool = True) -> EngineResult:
+    """``result`` with one logprob set to ``value`` (the chosen token's, or the runner-up's)."""
+    out = EngineResult.from_json(json.loads(json.dumps(result.to_json())))
+    key = str(out.token_ids[prompt][position]) if chosen else "999"
+    out.logprobs[prompt][position][key] = value
+    return out
+
+
+def nan_everywhere(result: EngineResult) -> EngineResult:
+    """What an auto engine on an fp8 quantization_config over bf16 weights gave on CPU: NaN at every position."""
+    out = EngineResult.from_json(json.loads(json.dumps(result.to_json())))
+    out.logprobs = [[{k: math.nan for k in step} for step in row] for row in out.logprobs]
+    return out
+
+
+def stripped(result: EngineResult, **fields) -> EngineResult:
+    out = EngineResult.from_json(json.loads(json.dumps(result.to_json())))
+    for k, v in fields.items():
+        setattr(out, k, v)
+    return out
 
 # (id, expectation, reference, candidate, status, reasons)
 TABLE = [
@@ -99,6 +123,43 @@ TABLE = [
      engine(events=[hit(rank=0), hit(rank=1)]), PASS, []),
     ("unknown outcome -> error", Expectation("hit", BASE, BASE), REF,
      engine(events=[{"outcome": "maybe", "rank": 0}]), BLOCK, ["error"]),
+    # An auto reference that ran but gave nothing usable judges nothing: never
+    # PASS, never a BLOCK blaming the cache by outputs. Each row's neighbour
+    # is the usable reference: "hit equal tokens passes", "tokens differ".
+    ("reference NaN everywhere -> not run", Expectation("hit", BASE, BASE), nan_everywhere(REF),
+     engine(events=[hit()]), NOT_RUN, ["reference_unusable"]),
+    ("reference NaN, cached tokens differ -> not run, not output_mismatch", Expectation("hit", BASE, BASE),
+     nan_everywhere(REF), engine(MUTATED, events=[hit()]), NOT_RUN, ["reference_unusable"]),
+    ("reference NaN at one runner-up -> not run", Expectation("hit", BASE, BASE),
+     spoiled(REF, math.nan, chosen=False), engine(events=[hit()]), NOT_RUN, ["reference_unusable"]),
+    ("reference +inf -> not run", Expectation("hit", BASE, BASE), spoiled(REF, math.inf),
+     engine(events=[hit()]), NOT_RUN, ["reference_unusable"]),
+    ("reference chose a -inf token -> not run", Expectation("hit", BASE, BASE), spoiled(REF, -math.inf),
+     engine(events=[hit()]), NOT_RUN, ["reference_unusable"]),
+    # Control: a runner-up at -inf (probability 0) is a usable answer.
+    ("reference runner-up at -inf passes", Expectation("hit", BASE, BASE),
+     spoiled(REF, -math.inf, chosen=False), spoiled(engine(events=[hit()]), -math.inf, chosen=False), PASS, []),
+    ("reference answered no prompt -> not run", Expectation("hit", BASE, BASE),
+     stripped(REF, token_ids=[], logprobs=[]), engine(events=[hit()]), NOT_RUN, ["reference_unusable"]),
+    ("reference prompt with no tokens -> not run", Expectation("hit", BASE, BASE),
+     stripped(REF, token_ids=[[5, 6, 7, 8], []], logprobs=REF.logprobs[:1] + [[]]), engine(events=[hit()]),
+     NOT_RUN, ["reference_unusable"]),
+    ("reference without logprobs -> not run", Expectation("hit", BASE, BASE), stripped(REF, logprobs=[]),
+     engine(events=[hit()]), NOT_RUN, ["reference_unusable"]),
+    # What the events show against the gate's own digests needs no reference.
+    ("reference NaN, wrong hit -> wrong_hit", Expectation("miss", OTHER, BASE), nan_everywhere(REF),
+     engine(events=[hit(HEADER, HEADER)]), BLOCK, ["wrong_hit"]),
+    # The candidate broken where the reference is not: the cache is blamed.
+    ("cached NaN, reference finite -> candidate_unusable", Expectation("hit", BASE, BASE), REF,
+     nan_everywhere(engine(events=[hit()])), BLOCK, ["candidate_unusable"]),
+    ("cached +inf at one position -> candidate_unusable", Expectation("hit", BASE, BASE), REF,
+     spoiled(engine(events=[hit()]), math.inf, prompt=1, position=3), BLOCK, ["candidate_unusable"]),
+    ("cached without logprobs -> candidate_unusable", Expectation("hit", BASE, BASE), REF,
+     stripped(engine(events=[hit()]), logprobs=[]), BLOCK, ["candidate_unusable"]),
+    ("cached NaN and tokens differ -> both", Expectation("hit", BASE, BASE), REF,
+     nan_everywhere(engine(MUTATED, events=[hit()])), BLOCK, ["output_mismatch", "candidate_unusable"]),
+    ("both NaN -> not run", Expectation("hit", BASE, BASE), nan_everywhere(REF),
+     nan_everywhere(engine(events=[hit()])), NOT_RUN, ["reference_unusable"]),
 ]
 
 
@@ -111,10 +172,28 @@ def test_verdict_table(name, exp, ref, cand, status, reasons):
 
 
 def test_every_reason_is_produced_by_some_row():
-    from harness.verdict import REASONS
+    from harness.verdict import NOT_RUN_REASONS, REASONS
 
     seen = {r for *_, reasons in TABLE for r in reasons}
-    assert seen == set(REASONS)
+    assert seen == set(REASONS) | set(NOT_RUN_REASONS)
+
+
+def test_reference_unusable_names_what_was_wrong_and_the_case_says_why_not_run():
+    from harness.results import CaseResult
+    from harness.targets.base import Served
+    from harness.targets.judge import judge_output_only
+
+    v = judge(Expectation("hit", BASE, BASE), nan_everywhere(REF), engine(MUTATED, events=[hit()]))
+    (detail,) = v.details
+    assert "NaN logprobs at 8 of 8 positions (first: prompt 0 position 0)" in detail
+    assert "quantization_config" in detail and v.first_difference is None
+    case = CaseResult("c", "d", "hit", True, {}, NOT_RUN)
+    case.record(v)
+    assert case.status == NOT_RUN and case.not_run_reason.startswith("reference_unusable: the auto reference")
+    # A cache judged on output alone (npcache, sharded_state) meets the same rule.
+    out = judge_output_only(nan_everywhere(REF), engine(MUTATED), Served(False), LOGPROB_TOLERANCE)
+    assert (out.status, out.reasons) == (NOT_RUN, ["reference_unusable"])
+    assert judge_output_only(REF, engine(MUTATED), Served(False), LOGPROB_TOLERANCE).reasons == ["output_mismatch"]
 
 
 def test_first_difference_names_prompt_position_and_both_tokens():
