@@ -112,35 +112,6 @@ def subdir_stats(checkpoint: str | os.PathLike[str]) -> dict[str, FileStat]:
     return out
 
 
-# Every name vLLM's _prepare_weights globs for (pgbase.fileset: *.safetensors,
-# *.bin, then *.pt): a new one of these may change the file set it reads.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
-
-
-def entry_changes(directory: str | os.PathLike[str], recorded: Sequence[str],
-                  stats: Sequence[FileStat | OSError]) -> str:
-    """What changed among the entries of ``directory`` since the ``recorded``
-    shard names were promoted, for the stale-manifest message: the recorded
-    shards that are gone (their ``stats``, just taken, failed with ENOENT) and
-    the weight files that are new (one listing: only asked once the directory's
-    own stat has changed, so an unchanged checkpoint never pays for it).
-    ``""`` when neither is seen (a tokenizer file added, say).
-
-    >>> entry_changes("/nonexistent", ["a.safetensors"], [FileNotFoundError()])
-    'missing a.safetensors'
-    """
-    missing = [n for n, st in zip(recorded, stats, strict=True)
-               if isinstance(st, FileNotFoundError)]
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        names = []
-    known = set(recorded)
-    added = sorted((n for n in names if n.endswith(_WEIGHT_SUFFIXES) and n not in known), key=str.encode)
-    parts = ([f"missing {', '.join(missing)}"] if missing else []) + ([f"new {', '.join(added)}"] if added else [])
-    return "; ".join(parts)
-
-
 def filesystem_type(path: str | os.PathLike[str]) -> str:
     """The type of the filesystem ``path`` lives on (``"ext4"``, ``"tmpfs"``,
     ``"nfs4"``...): one stat of ``path``, then :func:`filesystem_type_of_dev`.
@@ -259,6 +230,6 @@ def _stat_all_pooled(paths: Sequence[str | os.PathLike[str]]) -> list[FileStat |
 
 __all__ = [
     "MAX_STATS_IN_FLIGHT", "STAT_BACKEND_ENV", "STAT_BLIND_FILESYSTEMS", "STAT_WORKERS_ENV", "FileStat",
-    "entry_changes", "filesystem_type", "filesystem_type_of_dev", "prestart_stat_workers", "prestart_stats",
+    "filesystem_type", "filesystem_type_of_dev", "prestart_stat_workers", "prestart_stats",
     "start_stat_workers", "stat_all", "stat_backend", "stat_workers_wanted", "stop_stat_workers", "subdir_stats",
 ]

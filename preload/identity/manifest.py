@@ -18,7 +18,8 @@ At restart the digest is resolved in one of three modes:
   re-promotion is an operator's act. The directory's own stat changes when
   a file is added, removed or renamed, which is how a change of vLLM's file
   set (a new ``consolidated.safetensors``) is seen without listing it (only
-  a changed directory is listed, to name its missing and new shard files).
+  a changed folder is listed, and diffed with the listing promote recorded,
+  so every change is named: :mod:`preload.identity.entries`).
   ``ctime`` cannot be set from user space, so an edit that restores
   ``mtime`` is seen.
 - ``pinned``: the operator passes the digest printed at promotion; no
@@ -47,10 +48,10 @@ from pgbase.shards import INDEX_NAME, check_unique_tensors, not_a_directory, rea
 from preload import trust
 from preload.identity.config import config_digest
 from preload.identity.digest import checkpoint_digest, content_digest, hash_shards
+from preload.identity.entries import TOP, WEIGHT_SUFFIXES, folder_changes, tree_entries
 from preload.identity.filestat import (
     STAT_BLIND_FILESYSTEMS,
     FileStat,
-    entry_changes,
     filesystem_type_of_dev,
     stat_all,
     subdir_stats,
@@ -85,6 +86,11 @@ class Manifest:
     # file added to a folder changes only that folder's stat. None: a
     # manifest from before they were recorded (stale by construction).
     subdir_stats: dict[str, FileStat] | None = None
+    # Each folder's entries at promotion (name -> inode; "." the top): a
+    # changed folder is diffed against them, so the miss names every entry
+    # added, removed, renamed or replaced. None: a manifest from before they
+    # were recorded (its shards and index are then all that is named).
+    entries: dict[str, dict[str, int]] | None = None
     index_file: str = INDEX_NAME
     selection: str = ""
     created: float = field(default_factory=time.time)
@@ -181,6 +187,7 @@ def build_manifest(
         raise CheckpointError(not_a_directory(ckpt))
     dir_before = FileStat.of(ckpt)
     subdirs_before = subdir_stats(ckpt)
+    entries = tree_entries(ckpt, subdirs_before)
     fs = servable(select_files(ckpt))
     paths = fs.paths
     headers = []
@@ -208,6 +215,7 @@ def build_manifest(
         index_stat=FileStat.of(index) if index.is_file() else None,
         dir_stat=dir_before,
         subdir_stats=subdirs_before,
+        entries=entries,
         index_file=fs.index_file,
         selection=fs.source,
     )
@@ -278,8 +286,10 @@ def stale_reason(checkpoint: str | os.PathLike[str], manifest: Manifest,
     shard)``, or None if it does.
 
     One concurrent round of stats (directory, every folder below it, index,
-    every shard); no checkpoint file is opened, and only a changed directory
-    is listed (to name its missing and new shard files). The filesystem type
+    every shard); no checkpoint file is opened, and only a changed folder
+    is listed, so that ``reason`` names every entry added, removed, renamed
+    or replaced (:mod:`preload.identity.entries`), every shard changed and
+    the index; ``shard`` is the first shard (or index) named. The filesystem type
     of the directory's device comes from /proc/self/mountinfo: on a
     stat-blind one (``STAT_BLIND_FILESYSTEMS``) the manifest cannot be
     trusted by stats (:class:`StatBlindError`), unless ``stat_blind_ok``
@@ -309,26 +319,52 @@ def stale_reason(checkpoint: str | os.PathLike[str], manifest: Manifest,
             "stat field, so stats cannot prove the bytes are the promoted ones; use identity 'pinned' "
             "(expected_digest: the digest promote printed) or 'full'")
     shard_stats = now[2:2 + n_shards]
+    shard_names = {r.name for r in manifest.shards}
+    # What a manifest without listings still knows of its folder, by inode.
+    known = {r.name: r.stat.ino for r in manifest.shards} | (
+        {manifest.index_file: manifest.index_stat.ino} if manifest.index_stat else {})
+    folder_level = False
+    found: list[tuple[str, str]] = []  # (the entry's name, what happened to it)
     if d != manifest.dir_stat:
-        names = [r.name for r in manifest.shards]
-        changes = entry_changes(base, names, shard_stats)
-        gone = next((n for n, st in zip(names, shard_stats, strict=True) if isinstance(st, OSError)), None)
-        return (f"files were added, removed or renamed in the checkpoint directory "
-                f"({changes or d.changed_fields(manifest.dir_stat)}), so vLLM's file set may differ"), gone
+        folder_level = True
+        found += folder_changes(base, TOP, manifest.entries, known, shard_names) or [
+            ("", f"the checkpoint directory's {d.changed_fields(manifest.dir_stat)} changed, though its entries "
+                 "are the promoted ones (an entry added and removed again)")]
+    told = {n for n, _ in found}
     idx = now[1]
     idx_now = None if isinstance(idx, OSError) else idx
-    if idx_now != manifest.index_stat:
-        return f"{manifest.index_file} changed", manifest.index_file
+    if idx_now != manifest.index_stat and manifest.index_file not in told:
+        what = ("removed" if idx_now is None else "added" if manifest.index_stat is None
+                else f"changed ({idx_now.changed_fields(manifest.index_stat)})")
+        found.append((manifest.index_file, f"{manifest.index_file} {what}"))
     for rec, st in zip(manifest.shards, shard_stats, strict=True):
+        if rec.name in told:
+            continue
         if isinstance(st, OSError):
-            return f"{rec.name} is missing ({st})", rec.name
-        if st != rec.stat:
-            return f"{rec.name} changed ({st.changed_fields(rec.stat)})", rec.name
+            found.append((rec.name, f"shard {rec.name} is missing ({st.strerror or st})"))
+        elif st != rec.stat:
+            found.append((rec.name, f"shard {rec.name} changed ({st.changed_fields(rec.stat)})"))
     for sub, st in zip(subdirs, now[2 + n_shards:], strict=True):
-        if isinstance(st, OSError) or st != manifest.subdir_stats[sub]:
-            return (f"files were added, removed or renamed under {sub}/, so vLLM's file set may differ "
-                    "(a consolidated*.safetensors at any depth switches it)"), None
-    return None
+        if not isinstance(st, OSError) and st == manifest.subdir_stats[sub]:
+            continue
+        folder_level = True
+        if isinstance(st, OSError):
+            if f"{sub}/" not in {n for n, _ in found}:  # else its parent's listing named it
+                found.append((sub, f"folder {sub}/ is gone ({st.strerror or st})"))
+            continue
+        found += folder_changes(base, sub, manifest.entries, known, shard_names) or [
+            (sub, f"files were added, removed or renamed under {sub}/ (a consolidated*.safetensors at any "
+                  "depth switches vLLM's file set)")]
+    if not found:
+        return None
+    shard = next((n for n, _ in found if n in shard_names or n == manifest.index_file), None)
+    reason = "; ".join(w for _, w in found)
+    # Where what changed can change which files vLLM reads, say so: a weight
+    # file, the index, a folder (vLLM's mistral switch looks at any depth).
+    if folder_level and any(n == "" or n == manifest.index_file or n.endswith(("/", *WEIGHT_SUFFIXES))
+                            or n in subdirs for n, _ in found):
+        reason += ", so vLLM's file set may differ"
+    return reason, shard
 
 
 def check_fresh(checkpoint: str | os.PathLike[str], manifest: Manifest | None,

@@ -112,8 +112,8 @@ def test_a_new_consolidated_file_is_seen_by_the_directory_stat(promoted):
     ckpt, cache, p = promoted
     save_file({"w": np.zeros(2, dtype=np.float32)}, str(ckpt / "consolidated.safetensors"))
     err, counts, before, after = _stale(ckpt, cache)
-    assert "added, removed or renamed" in str(err) and err.shard is None
-    assert "new consolidated.safetensors" in str(err)  # named, from one listing of the changed directory
+    assert "vLLM's file set may differ" in str(err) and err.shard is None
+    assert "consolidated.safetensors added" in str(err)  # named, from one listing of the changed directory
     assert counts.opens == 0 and after == before
 
 
@@ -125,12 +125,13 @@ def test_a_removed_or_renamed_shard_is_named(promoted):
     gone, other = p.manifest.shards[1].name, p.manifest.shards[0].name
     (ckpt / gone).unlink()
     err, counts, before, after = _stale(ckpt, cache)
-    assert f"missing {gone}" in str(err) and err.shard == gone and other not in str(err)
-    assert "new " not in str(err) and counts.opens == 0 and after == before
-    # Renamed: the old name is missing, the new file is named too (one listing, no open).
+    assert f"shard {gone} removed" in str(err) and err.shard == gone and other not in str(err)
+    assert " added" not in str(err) and counts.opens == 0 and after == before
+    # Renamed: the same inode under the new name (one listing, no open).
     (ckpt / other).rename(ckpt / "model-renamed.safetensors")
     err, counts, _, _ = _stale(ckpt, cache)
-    assert f"(missing {other}, {gone}; new model-renamed.safetensors)" in str(err) and counts.opens == 0
+    assert f"stale: shard {other} renamed to model-renamed.safetensors; shard {gone} removed," in str(err)
+    assert counts.opens == 0
     assert len(str(err).splitlines()) == 1 and f"run: preload-gate promote {ckpt}" in str(err)
 
 
@@ -145,7 +146,7 @@ def test_a_consolidated_file_in_an_existing_subfolder_is_seen(promoted):
     save_file({"w": np.zeros(2, dtype=np.float32)}, str(ckpt / "original" / "consolidated.safetensors"))
     assert os.stat(ckpt).st_mtime_ns == top.st_mtime_ns  # the top directory saw nothing
     err, counts, before, after = _stale(ckpt, cache)
-    assert "under original/" in str(err) and err.shard is None
+    assert "original/consolidated.safetensors added" in str(err) and err.shard is None
     assert counts.opens == 0 and after == before
 
 
