@@ -153,13 +153,15 @@ def default_cache_dir(env: bool = True) -> Path:
     return Path(base) / "preload-gate"
 
 
-def promote_command(checkpoint: object, cache_dir: str | os.PathLike[str] | None = None) -> str:
-    """The command that re-promotes ``checkpoint`` into the cache its engines read: absolute, quoted, with
-    ``--cache-dir`` unless that cache is the plain default (an operator's shell may not set PRELOAD_GATE_CACHE)."""
+def promote_command(checkpoint: object, cache_dir: str | os.PathLike[str] | None = None,
+                    verb: str = "promote") -> str:
+    """The command that re-promotes ``checkpoint`` into the cache its engines read (``verb``: or runs
+    another verb on it against that cache): absolute, quoted, with ``--cache-dir`` unless that cache is the
+    plain default (an operator's shell may not set PRELOAD_GATE_CACHE)."""
     cache = Path(cache_dir or default_cache_dir())
     where = "" if cache == default_cache_dir(env=False) else f" --cache-dir {shlex.quote(os.path.abspath(cache))}"
     ckpt = shlex.quote(os.path.abspath(checkpoint)) if isinstance(checkpoint, str | Path) else "CKPT"
-    return f"preload-gate promote {ckpt}{where}"
+    return f"preload-gate {verb} {ckpt}{where}"
 
 
 def manifest_path(checkpoint: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None,

@@ -23,7 +23,6 @@ from vllm.model_executor.model_loader.utils import initialize_model, process_wei
 from vllm.model_executor.utils import weights_already_processed
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from pgbase.digest_text import short_digest
 from pgbase.errors import (
     CacheKeyMismatchError,
     PreloadGateError,
@@ -195,9 +194,9 @@ class VerifiedCacheLoader(BaseModelLoader):
 
         problem = socket_path_problem(socket_path(sdir, global_rank))
         if problem:  # known before any connect: say which path and what to do
-            raise Miss("miss", problem, cause=WeightCacheUnavailableError(problem))
+            raise misses.socket_path(problem)
         if not socket_path(sdir, global_rank).exists():
-            other = self._other_rank_mismatch(sdir, global_rank, key)
+            other = self._other_rank_mismatch(sdir, global_rank, key, model_config.model)
             if other is not None:
                 raise other
             raise misses.no_socket(opts, sdir, global_rank, digest, model_config.model)
@@ -205,29 +204,27 @@ class VerifiedCacheLoader(BaseModelLoader):
             client = DaemonClient.connect(sdir, global_rank, opts.connect_timeout_s, opts.state_timeout_s,
                                           client=f"vllm-rank{global_rank}")
         except (WeightCacheUnavailableError, ProtocolError) as exc:
-            raise Miss("miss", f"daemon unavailable: {exc}", cause=exc) from exc
+            raise misses.daemon_unavailable(exc, sdir, global_rank, model_config.model) from exc
         try:
             event.daemon_digest = client.hello.get("digest")
+            pid = client.hello.get("pid")
             try:
                 state = client.get_state(key)
             except CacheKeyMismatchError as exc:
-                raise Miss("miss", f"key mismatch on fields: {', '.join(exc.fields)}", exc.fields,
-                            getattr(exc, "daemon_digest", None), exc) from exc
+                raise misses.key_mismatch(exc, key, model_config.model, sdir, pid, global_rank) from exc
             except (WeightCacheUnavailableError, ProtocolError) as exc:
-                raise Miss("error", str(exc), cause=exc) from exc
+                raise misses.bad_answer(exc, sdir, pid, global_rank, model_config.model) from exc
             event.daemon_digest = state.digest
             try:
                 if state.digest != digest:
-                    raise Miss("error", f"daemon in {sdir} serves digest {short_digest(state.digest)}, not {short_digest(digest)}",
-                                ["content_digest"], state.digest,
-                                CacheKeyMismatchError(["content_digest"]))
+                    raise misses.wrong_digest(sdir, state.digest, digest, pid, global_rank, model_config.model)
                 try:
                     model = self._build(vllm_config, model_config, prefix, state)
                 except PreloadGateError as exc:
-                    raise Miss("error", f"attach failed: {exc}", cause=exc) from exc
+                    raise misses.attach_failed(exc) from exc
                 except Exception as exc:
                     log.exception("attaching the daemon's weights failed")
-                    raise Miss("error", f"attach failed: {type(exc).__name__}: {exc}", cause=exc) from exc
+                    raise misses.attach_failed(exc) from exc
             finally:
                 state.close()  # descriptors not yet handed to attach (a no-op after it)
             event.tensors, event.bytes = len(state.layout.entries), state.layout.total_bytes
@@ -253,7 +250,7 @@ class VerifiedCacheLoader(BaseModelLoader):
         finally:
             client.close()
 
-    def _other_rank_mismatch(self, sdir: Path, global_rank: int, key: Any) -> Miss | None:
+    def _other_rank_mismatch(self, sdir: Path, global_rank: int, key: Any, checkpoint: str) -> Miss | None:
         """Daemons serve this digest but not this rank (say TP=2 against a
         TP=1 daemon): ask one of them which key fields differ, so the miss
         names the layout, not the content."""
@@ -271,8 +268,7 @@ class VerifiedCacheLoader(BaseModelLoader):
         try:
             client.get_state(key).close()
         except CacheKeyMismatchError as exc:
-            return Miss("miss", f"the daemon for this digest serves ranks {ranks}, not rank {global_rank}: "
-                         f"key mismatch on fields: {', '.join(exc.fields)}", exc.fields, cause=exc)
+            return misses.key_mismatch(exc, key, checkpoint, sdir, client.hello.get("pid"), global_rank, ranks)
         except (WeightCacheUnavailableError, ProtocolError):
             return None
         finally:

@@ -124,6 +124,10 @@ def test_dtype_mismatch_without_fallback_fails_naming_dtype(env, daemon, tmp_pat
     assert "weight cache key mismatch on fields: dtype" in r["log"]
     evs = read_events(events)
     assert len(evs) == 1 and evs[0]["outcome"] == "miss" and evs[0]["fields"] == ["dtype"]
+    # The miss ends with the act: the daemon restarted at the engine's dtype.
+    assert "dtype: engine float32, daemon bfloat16" in evs[0]["reason"]
+    assert f"start it with this engine's settings: preload-gate preload {env['ckpt']}" in evs[0]["reason"]
+    assert evs[0]["reason"].endswith(" --dtype float32")
 
 
 def test_other_content_without_fallback_fails_no_daemon_for_digest(env, daemon, tmp_path):
