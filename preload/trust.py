@@ -50,9 +50,27 @@ def require_unsafe_controls(what: str) -> None:
         )
 
 
+# Where a refused path belongs to a cache, the other way out: a cache of
+# one's own, by the names verbs and engines read it under (engines take no
+# flag, only the environment). Keyed by the ``what`` the callers pass.
+CACHE_ELSEWHERE = "use a cache of your own: --cache-dir DIR, or PRELOAD_GATE_CACHE=DIR (which engines read too)"
+_ELSEWHERE = {
+    **dict.fromkeys(("cache dir", "manifest", "manifest directory", "daemon registry", "daemon registry entry"),
+                    CACHE_ELSEWHERE),
+    **dict.fromkeys(("reference cache file", "reference cache directory"),
+                    "use a reference cache of your own: gate --reference-cache DIR, or PRELOAD_GATE_CACHE=DIR"),
+}
+
+
+def _elsewhere(what: str) -> str | None:
+    """The cache's other way out for ``what`` (or for the file whose directory it is), else None."""
+    return _ELSEWHERE.get(what) or _ELSEWHERE.get(what.removesuffix(" directory"))
+
+
 def _symlinked(path: Path, what: str, want_dir: bool) -> UntrustedPathError:
-    return UntrustedPathError(f"refusing symlinked {what} {path}; replace it with a real "
-                              f"{'directory' if want_dir else 'file'}")
+    out = f"refusing symlinked {what} {path}; replace it with a real {'directory' if want_dir else 'file'}"
+    other = _elsewhere(what)
+    return UntrustedPathError(out + (f", or {other}" if other else ""))
 
 
 def _not_regular(path: Path, what: str) -> UntrustedPathError:
@@ -63,13 +81,14 @@ def _check(path: Path, info: os.stat_result, what: str, want_dir: bool, mask: in
     if stat.S_ISLNK(info.st_mode):
         raise _symlinked(path, what, want_dir)
     if want_dir and not stat.S_ISDIR(info.st_mode):
-        raise UntrustedPathError(f"{what} {path} is not a directory")
+        other = _elsewhere(what)
+        raise UntrustedPathError(f"{what} {path} is not a directory" + (f"; {other}" if other else ""))
     if not want_dir and not stat.S_ISREG(info.st_mode) and not stat.S_ISSOCK(info.st_mode):
         raise _not_regular(path, what)
     if info.st_uid != os.getuid():
         raise UntrustedPathError(
-            f"{what} {path} is owned by uid {info.st_uid}, not {os.getuid()}; remove it or use "
-            f"a directory of your own"
+            f"{what} {path} is owned by uid {info.st_uid}, not {os.getuid()}; remove it or "
+            f"{_elsewhere(what) or 'use a directory of your own'}"
         )
     if info.st_mode & mask:
         want = ("700" if want_dir else "600") if mask == 0o077 else "go-w"

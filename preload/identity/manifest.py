@@ -375,15 +375,29 @@ def check_fresh(checkpoint: str | os.PathLike[str], manifest: Manifest | None,
     else the :class:`StaleManifestError` an engine's ``stat`` check raises; the
     one message both the engine and ``preload`` (and its ``--dry-run``) print."""
     if manifest is None:
-        raise StaleManifestError(
-            f"no promotion manifest for {checkpoint} (looked for {manifest_path(checkpoint, cache_dir)}); "
-            f"run: {promote_command(checkpoint, cache_dir)}")
+        raise StaleManifestError(_no_manifest(checkpoint, Path(cache_dir or default_cache_dir())))
     found = stale_reason(checkpoint, manifest, stat_blind_ok)
     if found is not None:
         raise StaleManifestError(
             f"the promotion manifest for {checkpoint} is stale: {found[0]}; engines do not re-hash: "
             f"run: {promote_command(checkpoint, cache_dir)}", found[1])
     return manifest
+
+
+def _no_manifest(checkpoint: str | os.PathLike[str], cache: Path) -> str:
+    """The missing-manifest line: which cache was asked and why it was that one,
+    and, where the other cache this user has (the default, or the one
+    PRELOAD_GATE_CACHE names) holds a manifest for it, how to use that one.
+    Only asked on this miss path (one lstat)."""
+    chosen = "PRELOAD_GATE_CACHE names it" if os.environ.get("PRELOAD_GATE_CACHE") else "the default"
+    where = f"in the cache {cache} ({chosen}; looked for {manifest_path(checkpoint, cache)})"
+    for other in (default_cache_dir(), default_cache_dir(env=False)):
+        if other != cache and os.path.lexists(manifest_path(checkpoint, other)):
+            return (f"no promotion manifest for {checkpoint} {where}, but the cache {other} holds one: use that "
+                    f"cache (PRELOAD_GATE_CACHE={shlex.quote(str(other))} for engines and verbs, or --cache-dir "
+                    f"for verbs), or promote into this one: run: {promote_command(checkpoint, cache)}")
+    return (f"no promotion manifest for {checkpoint} {where}; promoted into another cache? give that one as "
+            f"PRELOAD_GATE_CACHE=DIR; else run: {promote_command(checkpoint, cache)}")
 
 
 def resolve_digest(

@@ -35,7 +35,7 @@ log = logging.getLogger("preload.loader")
 
 # Every reason a miss (or error) event can carry, by the function that makes it.
 REASONS = (
-    "stale_manifest", "cannot_serve", "unresolved", "socket_path", "no_daemon", "other_root",
+    "stale_manifest", "untrusted_cache", "cannot_serve", "unresolved", "socket_path", "no_daemon", "other_root",
     "daemon_unavailable", "key_mismatch", "bad_answer", "wrong_digest", "attach_failed",
 )
 
@@ -80,6 +80,13 @@ def stale_manifest(exc: ManifestError) -> Miss:
     """A missing or stale manifest; its message ends with the promote command
     (or, on a stat-blind filesystem, the identity modes that work there)."""
     return Miss("miss", str(exc), cause=exc, kind="stale_manifest")
+
+
+def untrusted_cache(exc: Exception) -> Miss:
+    """The manifest (or its directory) fails the trust rule: whoever wrote it
+    could point this engine at other weights. Its message ends with the fix
+    (chmod, or a cache of the engine's own through PRELOAD_GATE_CACHE)."""
+    return Miss("error", f"refusing the manifest cache: {exc}", cause=exc, kind="untrusted_cache")
 
 
 def cannot_serve(exc: CheckpointError, opts: LoaderOptions, checkpoint: str) -> Miss:
@@ -147,6 +154,7 @@ def resolve(opts: LoaderOptions, checkpoint: str, event: Any) -> str:
         event.identity = "header_only"
         return header_only_digest(checkpoint)
     from preload.identity.manifest import StaleManifestError, resolve_digest
+    from preload.trust import UntrustedPathError
 
     try:
         return resolve_digest(checkpoint, mode=opts.identity, expected_digest=opts.expected_digest).digest
@@ -156,6 +164,8 @@ def resolve(opts: LoaderOptions, checkpoint: str, event: Any) -> str:
         if refused is not None:
             raise cannot_serve(refused, opts, checkpoint) from exc
         raise stale_manifest(exc) from exc
+    except UntrustedPathError as exc:
+        raise untrusted_cache(exc) from exc
     except CheckpointError as exc:  # identity "full": a file set the cache cannot serve
         raise cannot_serve(exc, opts, checkpoint) from exc
     except (ManifestError, ValueError) as exc:

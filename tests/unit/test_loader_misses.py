@@ -47,6 +47,7 @@ from preload.loader.misses import (
     wrong_digest,
 )
 from preload.loader.misses import socket_path as socket_path_miss
+from preload.promote import promote
 from preload.sockets import SOCKET_ROOT_ENV, socket_dir, socket_path
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("no_vllm")]
@@ -212,6 +213,15 @@ def _bin(tmp: Path) -> str:
     return str(tmp / "bin")
 
 
+def _loose_manifests(tmp: Path, tiny: Path) -> Miss:
+    from preload.identity.manifest import default_cache_dir
+
+    ckpt = copy_checkpoint(tiny, tmp / "st")
+    promote(ckpt, socket_root=tmp / "sock", progress=False)
+    os.chmod(default_cache_dir() / "manifests", 0o755)  # as an older release made it
+    return _resolve_miss(ckpt)
+
+
 def _no_manifest(tmp: Path, tiny: Path) -> Miss:
     return _resolve_miss(copy_checkpoint(tiny, tmp / "st"))
 
@@ -222,6 +232,9 @@ STOP = f"stop the daemon on {SDIR} (pid 4242, rank 0; preload-gate status lists 
 ACT_ROWS: list[tuple[str, Callable[[Path, Path, Path], Miss], str, list[str], Callable[[Path, Path], str]]] = [
     ("no manifest", lambda tmp, tiny, root: _no_manifest(tmp, tiny), "stale_manifest", ["no promotion manifest"],
      lambda tmp, cache: f"run: preload-gate promote {tmp / 'st'} --cache-dir {cache}"),
+    ("loose manifest directory", lambda tmp, tiny, root: _loose_manifests(tmp, tiny), "untrusted_cache",
+     ["refusing the manifest cache: manifest directory", "is group/world accessible (mode 0755)"],
+     lambda tmp, cache: f"run: chmod 700 {cache / 'manifests'}"),
     (".bin weights", lambda tmp, tiny, root: _resolve_miss(Path(_bin(tmp))), "cannot_serve",
      ["this engine loads it from disk (fallback): vLLM loads .bin weights"],
      lambda tmp, cache: "serve it with --load-format auto"),
