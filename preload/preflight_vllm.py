@@ -55,6 +55,10 @@ def _vllm_choices(flag: str) -> tuple[str, ...] | None:
                 from vllm.config.cache import CacheDType
 
                 return tuple(get_args(CacheDType))
+            if flag == "--model-impl":
+                from vllm.config.model import ModelImpl
+
+                return tuple(get_args(ModelImpl))
             from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 
             return tuple(QUANTIZATION_METHODS)
@@ -63,10 +67,11 @@ def _vllm_choices(flag: str) -> tuple[str, ...] | None:
 
 
 def check_engine_choices(engine: dict[str, object]) -> None:
-    """``--kv-cache-dtype`` and ``--quantization`` are values vLLM takes. vLLM
+    """``--kv-cache-dtype``, ``--quantization`` and ``--model-impl`` are values vLLM takes. vLLM
     is imported only for a value other than the default, so a plain start
     costs no import."""
-    for flag, key, default in (("--kv-cache-dtype", "kv_cache_dtype", "auto"), ("--quantization", "quantization", None)):
+    for flag, key, default in (("--kv-cache-dtype", "kv_cache_dtype", "auto"), ("--quantization", "quantization", None),
+                               ("--model-impl", "model_impl", "auto")):
         value = engine.get(key)
         if value is None or value == default:
             continue

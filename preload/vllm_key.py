@@ -56,10 +56,55 @@ def transport_for(device_type: str) -> str:
     return "shm" if device_type == "cpu" else "cuda"
 
 
-def kernel_backend() -> str:
+def kernel_backend(vllm_config: Any = None) -> str:
+    """The attention backend the engine asked for (``--attention-backend``,
+    else ``VLLM_ATTENTION_BACKEND``), else the device type: MLA backends
+    process weights their own way."""
     from vllm.platforms import current_platform
 
+    attention = getattr(vllm_config, "attention_config", None)
+    asked = getattr(attention, "backend", None)
+    if asked is not None:
+        return str(getattr(asked, "name", asked))
     return os.environ.get("VLLM_ATTENTION_BACKEND") or str(current_platform.device_type)
+
+
+def _effective_config(hf_config: Any) -> dict[str, Any] | None:
+    """The transformers config vLLM built the model from (config.json after
+    hf_overrides, hf_config_path, config_format), without what names where it
+    came from (``_name_or_path``, ``_commit_hash``...) or the library version
+    (keyed apart, as vllm_version)."""
+    if not hasattr(hf_config, "to_dict"):
+        return None
+    return {k: v for k, v in hf_config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+
+
+def _file_digest(path: Any) -> str | None:
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as exc:  # vLLM reads it too and fails the start; the key says so
+        return f"unreadable: {exc.strerror or exc}"
+
+
+def _multimodal(model_config: Any) -> dict[str, Any]:
+    mm = getattr(model_config, "multimodal_config", None)
+    if mm is None:
+        return {}
+    # vLLM skips building a modality's tower when its limit is 0 (interfaces.py,
+    # MultiModalConfig.get_limit_per_prompt); language_model_only makes every limit 0.
+    off = ["*"] if getattr(mm, "language_model_only", False) else sorted(
+        str(m) for m in (getattr(mm, "limit_per_prompt", None) or {}) if mm.get_limit_per_prompt(m) == 0)
+    attn = getattr(mm, "mm_encoder_attn_dtype", None)
+    return {
+        "mm_encoder_tp_mode": str(getattr(mm, "mm_encoder_tp_mode", "weights")),
+        "mm_encoder_only": bool(getattr(mm, "mm_encoder_only", False)),
+        "mm_disabled_modalities": json.dumps(off),
+        "mm_encoder_attn_dtype": None if attn is None else str(attn),
+        "mm_encoder_fp8_scales_digest": _file_digest(getattr(mm, "mm_encoder_fp8_scale_path", None)),
+    }
 
 
 def key_from_vllm(
@@ -112,7 +157,21 @@ def key_from_vllm(
         tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size, pp_rank=pp_rank,
         dp_size=dp_size, dp_rank=dp_rank,
         enable_expert_parallel=bool(vllm_config.parallel_config.enable_expert_parallel),
-        kernel_backend=kernel_backend(),
+        kernel_backend=kernel_backend(vllm_config),
+        model_impl=str(getattr(model_config, "model_impl", "auto")),
+        runner_type=str(getattr(model_config, "runner_type", "generate")),
+        convert_type=str(getattr(model_config, "convert_type", "none")),
+        hf_config_digest=_digest(_effective_config(hf_config)),
+        model_class_overrides=json.dumps(getattr(model_config, "model_class_overrides", None) or {}, sort_keys=True),
+        **_multimodal(model_config),
+        eplb_redundant_experts=(int(getattr(getattr(parallel, "eplb_config", None), "num_redundant_experts", 0) or 0)
+                                if getattr(parallel, "enable_eplb", False) else 0),
+        pcp_size=int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
+        dcp_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+        dcp_q_replicate=bool(getattr(parallel, "dcp_q_replicate", False)),
+        additional_config_digest=_digest(getattr(vllm_config, "additional_config", None) or None),
+        engram_embedding_across_dp=bool(getattr(getattr(vllm_config, "engram_config", None),
+                                                "embedding_across_dp", False)),
         export_stage=export_stage,
         transport=transport,
         vllm_version=vllm.__version__,

@@ -40,6 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--quantization", default=None)
     eng.add_argument("--kv-cache-dtype", default="auto")
     eng.add_argument("--enable-expert-parallel", action="store_true")
+    eng.add_argument("--model-impl", default="auto",
+                     help="vLLM's model implementation (auto, vllm, transformers, ...): the engines' own")
     eng.add_argument("--master-port", type=fixed_port, default=None, help="gloo/nccl rendezvous port of the daemon group")
     p.add_argument("--socket-root", default=None, type=socket_root_arg,
                    help="root of the digest-keyed socket dirs (default $PRELOAD_GATE_SOCKET_ROOT, else "
@@ -116,7 +118,8 @@ def _options(args: argparse.Namespace) -> Any:
             "stage (their weight processing moves Linear weights into oneDNN handles that cannot be shared); "
             "use --stage loaded (the default) or raw")
     engine = {"dtype": args.dtype, "max_model_len": args.max_model_len, "quantization": args.quantization,
-              "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel}
+              "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel,
+              "model_impl": args.model_impl}
     return PreloadOptions(
         checkpoint=args.checkpoint,
         parallel=Parallelism(

@@ -45,6 +45,7 @@ FLAGS: dict[str, Callable[[WeightCacheKey], str]] = {
     "pp_size": _value("-pp", "pp_size"),
     "dp_size": _value("-dp", "dp_size"),
     "enable_expert_parallel": _switch("--enable-expert-parallel", "enable_expert_parallel"),
+    "model_impl": _value("--model-impl", "model_impl"),
 }
 # Fields that follow from others: a rank's place (from the sizes and the socket it answers on).
 FOLLOW = frozenset({"tp_rank", "pp_rank", "dp_rank"})
@@ -54,7 +55,21 @@ FROM_FOLDER = frozenset({"config_digest", "architecture", "quant_config_digest",
 SOFTWARE = frozenset({"vllm_version", "protocol_version"})
 # Engine settings the daemon takes as vLLM's defaults (no flag sets them).
 ENGINE_ONLY = frozenset({"expert_placement_strategy", "kv_cache_dtype_skip_layers", "is_draft", "moe_backend",
-                         "linear_backend", "linear_backend_per_quant", "kernel_backend"})
+                         "linear_backend", "linear_backend_per_quant", "kernel_backend", "runner_type",
+                         "convert_type", "hf_config_digest", "model_class_overrides", "mm_encoder_tp_mode",
+                         "mm_encoder_only", "mm_disabled_modalities", "mm_encoder_attn_dtype",
+                         "mm_encoder_fp8_scales_digest", "eplb_redundant_experts", "pcp_size", "dcp_size",
+                         "dcp_q_replicate", "additional_config_digest", "engram_embedding_across_dp"})
+# The engine arguments behind a key field whose name is not theirs, for a miss line.
+SETTING_OF = {
+    "runner_type": "--runner", "convert_type": "--convert",
+    "hf_config_digest": "--hf-overrides/--hf-config-path/--config-format",
+    "model_class_overrides": "--model-class-overrides", "mm_disabled_modalities": "--limit-mm-per-prompt",
+    "mm_encoder_fp8_scales_digest": "--mm-encoder-fp8-scale-path", "eplb_redundant_experts": "--enable-eplb",
+    "pcp_size": "--prefill-context-parallel-size", "dcp_size": "--decode-context-parallel-size",
+    "additional_config_digest": "--additional-config", "kernel_backend": "--attention-backend",
+    "engram_embedding_across_dp": "--engram-config",
+}
 # The content itself: the socket directory is keyed by it.
 CONTENT = frozenset({"content_digest"})
 # Fields a raw-stage daemon does not key (it runs no vLLM): with the stage
@@ -69,4 +84,5 @@ def flags_for(fields: list[str], engine: WeightCacheKey) -> list[str]:
     return [f for f in (FLAGS[name](engine) for name in FLAGS if name in fields) if f]
 
 
-__all__ = ["CONTENT", "ENGINE_ONLY", "FLAGS", "FOLLOW", "FROM_FOLDER", "RAW_UNKEYED", "SOFTWARE", "flags_for"]
+__all__ = ["CONTENT", "ENGINE_ONLY", "FLAGS", "FOLLOW", "FROM_FOLDER", "RAW_UNKEYED", "SETTING_OF", "SOFTWARE",
+           "flags_for"]

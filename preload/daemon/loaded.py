@@ -123,6 +123,7 @@ def build_vllm_config(cfg: RankConfig) -> Any:
         quantization=eng.get("quantization"),
         kv_cache_dtype=eng.get("kv_cache_dtype") or "auto",
         enable_expert_parallel=bool(eng.get("enable_expert_parallel")),
+        model_impl=str(eng.get("model_impl") or "auto"),
         enforce_eager=True,
         load_format="auto",
         distributed_executor_backend="mp",

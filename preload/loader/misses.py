@@ -12,6 +12,7 @@ reason); :mod:`preload.loader.verified_cache` raises them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -243,11 +244,12 @@ def key_mismatch(exc: CacheKeyMismatchError, engine: WeightCacheKey, checkpoint:
         FOLLOW,
         FROM_FOLDER,
         RAW_UNKEYED,
+        SETTING_OF,
         SOFTWARE,
         flags_for,
     )
 
-    daemon: dict[str, Any] = dict(getattr(exc, "daemon_key", None) or {})
+    daemon = _received_key(getattr(exc, "daemon_key", None))
     fields = list(exc.fields)
     head = f"key mismatch on fields: {', '.join(fields)}"
     if serving is not None:
@@ -255,22 +257,26 @@ def key_mismatch(exc: CacheKeyMismatchError, engine: WeightCacheKey, checkpoint:
     raw = "export_stage" in fields and daemon.get("export_stage") == "raw"
     # A raw daemon runs no vLLM and keys none of its settings: they follow from the stage.
     considered = [f for f in fields if f not in FOLLOW and not (raw and f in RAW_UNKEYED)]
+    # The effective config is config.json after the engine's overrides: with
+    # config.json itself changed, it follows the folder (a restart fixes both).
+    from_folder = FROM_FOLDER | ({"hf_config_digest"} if "config_digest" in considered else set())
     values = [f"{f}: engine {_shown(getattr(engine, f, None))}, daemon {_shown(daemon.get(f))}"
-              for f in considered if f not in FROM_FOLDER]
+              for f in considered if f not in from_folder]
     parts = [head + (f" ({'; '.join(values)})" if values else "")]
     if raw:
         parts.append(f"a raw-stage daemon serves checkpoint tensors for consumers without vLLM; this engine "
                      f"attaches the {engine.export_stage} stage")
-    folder = [f for f in considered if f in FROM_FOLDER]
+    folder = [f for f in considered if f in from_folder]
     if folder:
         parts.append(f"{', '.join(folder)} {'comes' if len(folder) == 1 else 'come'} from config.json, which "
                      "changed since the daemon started")
     if any(f in SOFTWARE for f in considered):
         parts.append(f"the daemon runs vLLM {daemon.get('vllm_version')}, this engine {engine.vllm_version}: "
                      "start it from the engine's Python environment")
-    engine_only = [f for f in considered if f in ENGINE_ONLY]
+    engine_only = [f for f in considered if f in ENGINE_ONLY and f not in from_folder]
     if engine_only:
-        settings = ", ".join(f"{f}={_shown(getattr(engine, f, None))}" for f in engine_only)
+        settings = ", ".join(f"{f}={_shown(getattr(engine, f, None))}"
+                             + (f" ({SETTING_OF[f]})" if f in SETTING_OF else "") for f in engine_only)
         defaults = ", ".join(f"{f}={_shown(daemon.get(f))}" for f in engine_only)
         if len(engine_only) == len(considered):  # nothing a daemon restart changes
             parts.append(f"preload-gate preload keys vLLM's defaults ({defaults}) and takes no flag for "
@@ -283,6 +289,16 @@ def key_mismatch(exc: CacheKeyMismatchError, engine: WeightCacheKey, checkpoint:
     parts.append(f"{_stop(sdir, pid, answered)} and start it with this engine's settings: "
                  f"{preload_command(checkpoint, sdir, flags)}")
     return Miss("miss", "; ".join(parts), fields, daemon.get("content_digest"), exc, kind="key_mismatch")
+
+
+def _received_key(obj: Any) -> dict[str, Any]:
+    """The daemon's key with every field: a field at its default is not sent
+    (:data:`preload.identity.key.SENT_WHEN_SET`), so read it as the key does."""
+    received: dict[str, Any] = dict(obj or {})
+    try:
+        return dataclasses.asdict(WeightCacheKey.from_json(received))
+    except ValueError:  # a key this release cannot read: show what came
+        return received
 
 
 def _shown(value: Any) -> str:

@@ -1,6 +1,6 @@
 """Run one vLLM engine in this process and print its greedy tokens as JSON.
 
-``python engine_run.py '{"model": ..., "load_format": ..., "extra": {...}, "tp": 1}'``
+``python engine_run.py '{"model": ..., "load_format": ..., "extra": {...}, "tp": 1, "engine_args": {...}}'``
 Used by the loader tests: every engine runs in its own subprocess (vLLM's
 CPU build spawns workers; a crash must fail a test, not the test runner).
 """
@@ -29,6 +29,7 @@ def main() -> None:
         tensor_parallel_size=spec.get("tp", 1), max_model_len=256, enforce_eager=True,
         gpu_memory_utilization=0.1, seed=0,
     )
+    kwargs.update(spec.get("engine_args") or {})  # other EngineArgs, as given
     if spec.get("extra") is not None:
         kwargs["model_loader_extra_config"] = spec["extra"]
     start = time.perf_counter()

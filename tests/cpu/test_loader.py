@@ -9,7 +9,7 @@ One module, shared daemons, few engines (each costs 30-60 s on 2 cores):
 - the restarted engine writes into a mapped weight; the daemon's copy, seen
   through a fresh attach, is bit-for-bit what it was.
 - key mismatches with fallback off are startup failures naming the field:
-  other content (no daemon for this digest), other dtype.
+  other content (no daemon for this digest), other dtype and model_impl.
 - a loaded-stage daemon whose checkpoint no longer hashes to its promoted
   digest refuses to start.
 """
@@ -116,18 +116,22 @@ def test_warm_start_hit_then_restart_hit_and_writes_stay_private(env, auto, daem
     assert stats["hits"] >= 4  # 2 engines + 2 snapshots
 
 
-def test_dtype_mismatch_without_fallback_fails_naming_dtype(env, daemon, tmp_path):
+def test_settings_mismatch_without_fallback_fails_naming_dtype_and_model_impl(env, daemon, tmp_path):
+    """Another dtype and another model implementation (the transformers
+    backend builds other modules from the same files: before model_impl was
+    keyed this was a loud attach error, not a named miss)."""
     events = tmp_path / "events.jsonl"
     r = run_engine(env["ckpt"], env["cache"], events, load_format="verified_cache",
-                   extra=_extra(env, fallback=False), dtype="float32")
+                   extra=_extra(env, fallback=False), dtype="float32",
+                   engine_args={"model_impl": "transformers"})
     assert r["rc"] != 0
-    assert "weight cache key mismatch on fields: dtype" in r["log"]
+    assert "weight cache key mismatch on fields: dtype, model_impl" in r["log"]
     evs = read_events(events)
-    assert len(evs) == 1 and evs[0]["outcome"] == "miss" and evs[0]["fields"] == ["dtype"]
-    # The miss ends with the act: the daemon restarted at the engine's dtype.
-    assert "dtype: engine float32, daemon bfloat16" in evs[0]["reason"]
+    assert len(evs) == 1 and evs[0]["outcome"] == "miss" and evs[0]["fields"] == ["dtype", "model_impl"]
+    # The miss ends with the act: the daemon restarted at the engine's settings.
+    assert "dtype: engine float32, daemon bfloat16; model_impl: engine transformers, daemon auto" in evs[0]["reason"]
     assert f"start it with this engine's settings: preload-gate preload {env['ckpt']}" in evs[0]["reason"]
-    assert evs[0]["reason"].endswith(" --dtype float32")
+    assert evs[0]["reason"].endswith(" --dtype float32 --model-impl transformers")
 
 
 def test_other_content_without_fallback_fails_no_daemon_for_digest(env, daemon, tmp_path):

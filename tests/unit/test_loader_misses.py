@@ -274,6 +274,19 @@ ACT_ROWS: list[tuple[str, Callable[[Path, Path, Path], Miss], str, list[str], Ca
     ("config.json edited", lambda tmp, tiny, root: _mismatch(dataclasses.replace(ENGINE, rope_digest="e" * 64)),
      "key_mismatch", ["rope_digest comes from config.json, which changed since the daemon started"],
      lambda tmp, cache: f"preload-gate preload {CKPT} --cache-dir {cache} --socket-root /tmp/rv2/root"),
+    ("config.json edited, the effective config with it", lambda tmp, tiny, root: _mismatch(
+        dataclasses.replace(ENGINE, config_digest="e" * 64, hf_config_digest="f" * 64),
+        dataclasses.replace(ENGINE, hf_config_digest="a" * 64)), "key_mismatch",
+     ["config_digest, hf_config_digest come from config.json, which changed"],
+     lambda tmp, cache: f"preload-gate preload {CKPT} --cache-dir {cache} --socket-root /tmp/rv2/root"),
+    ("model_impl", lambda tmp, tiny, root: _mismatch(ENGINE, dataclasses.replace(ENGINE, model_impl="transformers")),
+     "key_mismatch", ["model_impl: engine transformers, daemon auto"],
+     lambda tmp, cache: f"preload-gate preload {CKPT} --cache-dir {cache} --socket-root /tmp/rv2/root "
+                        "--model-impl transformers"),
+    ("engine overrides of config.json", lambda tmp, tiny, root: _mismatch(
+        dataclasses.replace(ENGINE, hf_config_digest="f" * 64), dataclasses.replace(ENGINE, hf_config_digest="a" * 64)),
+     "key_mismatch", ["run this engine without hf_config_digest=aaaaaaaa", "(--hf-overrides/--hf-config-path"],
+     lambda tmp, cache: "or load from disk (fallback: true)"),
     ("vLLM version", lambda tmp, tiny, root: _mismatch(dataclasses.replace(ENGINE, vllm_version="0.31.0")),
      "key_mismatch", ["the daemon runs vLLM 0.31.0, this engine 0.32.0: start it from the engine's Python"],
      lambda tmp, cache: f"preload-gate preload {CKPT} --cache-dir {cache} --socket-root /tmp/rv2/root"),
@@ -345,13 +358,14 @@ def test_printed_flags_set_the_field_in_the_preload_verb() -> None:
     daemon_cli.register(parser.add_subparsers(dest="verb"))
     engine = dataclasses.replace(ENGINE, export_stage="raw", transport="shm", dtype="float16", quantization="fp8",
                                  kv_cache_dtype="fp8_e4m3", tp_size=2, pp_size=3, dp_size=4,
-                                 enable_expert_parallel=True)
+                                 enable_expert_parallel=True, model_impl="transformers")
     where = {  # field -> where the verb's options hold it
         "export_stage": lambda o: o.stage, "transport": lambda o: o.transport,
         "dtype": lambda o: o.engine["dtype"], "quantization": lambda o: o.engine["quantization"],
         "kv_cache_dtype": lambda o: o.engine["kv_cache_dtype"], "tp_size": lambda o: o.parallel.tp_size,
         "pp_size": lambda o: o.parallel.pp_size, "dp_size": lambda o: o.parallel.dp_size,
         "enable_expert_parallel": lambda o: o.engine["enable_expert_parallel"],
+        "model_impl": lambda o: o.engine["model_impl"],
     }
     assert set(where) == set(FLAGS)
     for field, got in where.items():

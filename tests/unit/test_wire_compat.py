@@ -156,3 +156,20 @@ def test_control_a_key_with_one_wrong_type_is_refused() -> None:
     obj["tp_size"] = "2"
     with pytest.raises(ValueError, match="tp_size"):
         WeightCacheKey.from_json(obj)
+
+
+def test_a_field_added_since_travels_only_when_set() -> None:
+    """Keys at every new field's default are the old bytes (above); a key that
+    sets one sends it, and it comes back whole (an old peer refuses it by name:
+    it could not serve that setting)."""
+    import dataclasses
+
+    from preload.identity.key import SENT_WHEN_SET
+
+    names = {f.name for f in dataclasses.fields(WeightCacheKey)}
+    assert SENT_WHEN_SET <= names and "model_impl" in SENT_WHEN_SET
+    assert not SENT_WHEN_SET & set(json.loads(_KEY))  # the fixed bytes predate them all
+    impl = dataclasses.replace(KEY, model_impl="transformers")
+    assert impl.to_json()["model_impl"] == "transformers" and "model_impl" not in KEY.to_json()
+    assert WeightCacheKey.from_json(impl.to_json()) == impl
+    assert KEY.mismatched_fields(WeightCacheKey.from_json(impl.to_json())) == ["model_impl"]
