@@ -88,12 +88,15 @@ def check_socket_root(root: str | os.PathLike[str], ranks: Iterable[int] = (0,),
                                  f"({exc.strerror or exc}); choose a writable --socket-root") from None
 
 
-def check_rank_locks(socket_dir: str | os.PathLike[str], ranks: Iterable[int]) -> None:
-    """No other daemon holds a rank's lock in ``socket_dir`` (probed on an
-    existing lock file only; nothing is created)."""
+def rank_lock_holders(socket_dir: str | os.PathLike[str], ranks: Iterable[int]) -> dict[int, str]:
+    """Rank -> the pid written in its lock file, for each rank whose lock a
+    live process holds in ``socket_dir`` (probed on an existing lock file
+    only; nothing is created). A lock path that is not a private regular
+    file is refused (:class:`PreflightError`), as a start refuses it."""
     from pgbase.lockfile import LockFileError, open_lock_file
     from preload.daemon.lock import lock_path
 
+    held: dict[int, str] = {}
     for rank in ranks:
         path = lock_path(socket_dir, rank)
         try:
@@ -108,13 +111,20 @@ def check_rank_locks(socket_dir: str | os.PathLike[str], ranks: Iterable[int]) -
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-                raise PreflightError(
-                    f"another daemon (pid {holder}) already serves rank {rank} in {socket_dir}; "
-                    "stop it first (preload-gate status lists it)") from None
+                held[rank] = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                continue
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+    return held
+
+
+def check_rank_locks(socket_dir: str | os.PathLike[str], ranks: Iterable[int]) -> None:
+    """No other daemon holds a rank's lock in ``socket_dir``."""
+    for rank, holder in rank_lock_holders(socket_dir, ranks).items():
+        raise PreflightError(
+            f"another daemon (pid {holder}) already serves rank {rank} in {socket_dir}; "
+            "stop it first (preload-gate status lists it)")
 
 
 def check_port(host: str, port: int) -> None:
@@ -244,8 +254,13 @@ def check_checkpoint(checkpoint: str | os.PathLike[str]) -> None:
 def preflight_daemon(checkpoint: str | os.PathLike[str], socket_root: str | os.PathLike[str] | None,
                      ranks: Iterable[int], digest: str | None, health_host: str = "127.0.0.1",
                      health_port: int | None = None, dtype: str = "auto", tp_size: int = 1,
-                     pp_size: int = 1, transport: str = "shm", engine: dict[str, object] | None = None) -> None:
-    """Everything ``preload`` (and its ``--dry-run``) can check before it reads a weight byte."""
+                     pp_size: int = 1, transport: str = "shm", engine: dict[str, object] | None = None,
+                     refuse_held: bool = True) -> dict[int, str]:
+    """Everything ``preload`` (and its ``--dry-run``) can check before it reads a weight byte.
+
+    Returns the ranks another daemon holds (rank -> its pid); with
+    ``refuse_held`` (a start) the first of them is refused instead. A dry
+    run reports them beside its plan."""
     from preload.sockets import default_socket_root, socket_dir
 
     ranks = list(ranks)
@@ -256,6 +271,7 @@ def preflight_daemon(checkpoint: str | os.PathLike[str], socket_root: str | os.P
     check_pipeline_parallel(checkpoint, pp_size)
     root = Path(socket_root) if socket_root else default_socket_root()
     check_socket_root(root, ranks, probe=True)
+    held: dict[int, str] = {}
     if digest is not None:
         sdir = socket_dir(digest, root)
         if os.path.lexists(sdir):
@@ -263,10 +279,14 @@ def preflight_daemon(checkpoint: str | os.PathLike[str], socket_root: str | os.P
                 trust.verify_private_dir(sdir, "socket directory")
             except trust.UntrustedPathError as exc:
                 raise PreflightError(str(exc)) from exc
-            check_rank_locks(sdir, ranks)
+            if refuse_held:
+                check_rank_locks(sdir, ranks)
+            else:
+                held = rank_lock_holders(sdir, ranks)
     if health_port is not None:
         check_port(health_host, health_port)
     check_cuda(transport)
+    return held
 
 
 def preflight_promote(checkpoint: str | os.PathLike[str], socket_root: str | os.PathLike[str] | None,
@@ -282,6 +302,6 @@ def preflight_promote(checkpoint: str | os.PathLike[str], socket_root: str | os.
 __all__ = [
     "AF_UNIX_MAX", "VLLM_DTYPES", "PreflightError", "check_cache_dir", "check_cache_root", "check_checkpoint",
     "check_cuda", "check_dtype", "check_engine_choices", "check_output_dir", "check_output_dirs", "check_pipeline_parallel", "check_port",
-    "check_rank_locks", "check_socket_root", "check_tensor_parallel", "model_heads", "preflight_daemon",
+    "check_rank_locks", "check_socket_root", "rank_lock_holders", "check_tensor_parallel", "model_heads", "preflight_daemon",
     "preflight_promote", "socket_path_problem",
 ]

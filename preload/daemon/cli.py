@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -141,17 +142,10 @@ def _preload(args: argparse.Namespace) -> int:
         raise PreloadGateError(not_a_directory(args.checkpoint))
     _use_cache_dir(args)
     opts = _options(args)
-    if args.dry_run:
-        launcher.preflight(opts)  # a dry run refuses what the real start would refuse
-        plan = launcher.plan(opts)
-        if args.json:
-            print(json.dumps(plan))
-        else:
-            print(f"checkpoint {plan['checkpoint']}  stage {plan['stage']}  transport {plan['transport']}")
-            print(f"digest     {plan['expected_digest'] or '(from the bytes read)'}  ({plan['digest_source']})")
-            for r in plan["ranks"]:
-                print(f"  local {r['local_rank']}: global {r['global_rank']} "
-                      f"(dp {r['dp_rank']}, pp {r['pp_rank']}, tp {r['tp_rank']})")
+    if args.dry_run:  # a dry run refuses what a start would refuse, but reports a held rank
+        from preload.daemon import dry_run
+
+        dry_run.write(dry_run.plan_with_holders(opts), args.json, sys.stdout)
         return 0
     return launcher.run(opts)
 

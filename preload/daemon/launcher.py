@@ -205,13 +205,14 @@ class Launcher:
                 proc.wait()
 
 
-def preflight(opts: PreloadOptions) -> None:
+def preflight(opts: PreloadOptions, refuse_held: bool = True) -> dict[int, str]:
     """Every check that needs no weights, before a rank reads a byte
     (:mod:`preload.preflight`): the unsafe-control switch, the cache dir's
     trust, the manifest's freshness (the restart stat check), the checkpoint,
     ``--dtype``, the tensor-parallel size against the model's heads, the
     socket root and path lengths, the rank locks, the health port.
-    ``preload --dry-run`` runs the same checks."""
+    ``preload --dry-run`` runs the same checks, and where another daemon
+    holds a rank it gets the held ranks (rank -> pid) instead of a refusal."""
     from preload.preflight import check_cache_root, preflight_daemon
 
     if opts.unsafe_identity is not None:
@@ -219,9 +220,10 @@ def preflight(opts: PreloadOptions) -> None:
     check_cache_root(None)  # before a manifest is looked for in it
     digest, _source = expected_digest(opts)
     ranks = [p.global_rank for p in plan_local_ranks(opts.parallel)]
-    preflight_daemon(opts.checkpoint, opts.socket_root, ranks, digest, opts.health_host, opts.health_port,
-                     dtype=str(opts.engine.get("dtype") or "auto"), tp_size=opts.parallel.tp_size,
-                     pp_size=opts.parallel.pp_size, transport=opts.transport, engine=opts.engine)
+    return preflight_daemon(opts.checkpoint, opts.socket_root, ranks, digest, opts.health_host, opts.health_port,
+                            dtype=str(opts.engine.get("dtype") or "auto"), tp_size=opts.parallel.tp_size,
+                            pp_size=opts.parallel.pp_size, transport=opts.transport, engine=opts.engine,
+                            refuse_held=refuse_held)
 
 
 def run(opts: PreloadOptions, out: Any = None) -> int:
