@@ -66,23 +66,18 @@ def _bench(args: argparse.Namespace) -> int:
         for module, why in UNLOADED.items():
             print(f"{module:<20} rows not loaded: {why}")
         return 0
+    from harness.bench.params import given
     from preload.preflight import check_output_dirs
 
-    params = {}
-    for item in args.param:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise BenchError(f"--param wants KEY=VALUE, got {item!r}")
-        params[key] = value
     options = BenchOptions(
         workdir=Path(args.workdir) if args.workdir else None,
         size_bytes=parse_size(args.size),
-        params=params,
+        params=given(args.param),
     )
     only = [n for n in args.only.split(",") if n] if args.only else None
     if args.skip_heavy and only:
         raise BenchError("--skip-heavy applies when no --only is given; name the rows you want instead")
-    check_request(options, only)  # names and --param values, before any directory is touched
+    check_request(options, only, skip_heavy=args.skip_heavy)  # rows and --param values, before any directory
     check_output_dirs({"--out": args.out, "--workdir": args.workdir})  # before the rows run, not after
     results = run_rows(options, only, skip_heavy=args.skip_heavy)
     doc = {"results": [r.to_json() for r in results]}

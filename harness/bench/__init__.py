@@ -16,10 +16,11 @@ that fits the machine, and a row whose need is missing reports "not run:
 why" instead of failing, so one command works on a laptop and on a GPU box.
 ``--list`` shows the heavy ones, so nobody starts a 15-minute row by surprise.
 
-A row declares its ``--param`` keys too (``params=[Param(...)]``,
-:mod:`harness.bench.params`): every given key and value is checked against
-the rows asked for before any runs, and the row reads them parsed
-(``options.value("shards")``).
+A row declares its ``--param`` keys too (``params=[Param(...)]``, each with
+its type and range, :mod:`harness.bench.params`): every given key and value
+is checked against the rows asked for before any runs (unknown, ill-typed,
+out of range, or unused by every row that runs here), and the row reads them
+parsed (``options.value("shards")``).
 
 >>> results = run_rows(BenchOptions(size_bytes=64 << 20), only=["restart_identity"])  # doctest: +SKIP
 """
@@ -215,19 +216,32 @@ def load_rows() -> dict[str, BenchRow]:
     return ROWS
 
 
-def check_request(options: BenchOptions, only: Iterable[str] | None = None) -> list[str]:
+def _why_not_run(row: BenchRow, *, skip_heavy: bool, named: bool) -> str | None:
+    """Why ``row`` is reported as not run instead of run here, or None."""
+    why = missing(row.needs)
+    if why is None and skip_heavy and not named and row.heavy:
+        why = f"heavy ({row.heavy}); skipped by --skip-heavy"
+    return why
+
+
+def check_request(options: BenchOptions, only: Iterable[str] | None = None, *,
+                  skip_heavy: bool = False) -> list[str]:
     """The rows ``only`` names (default: every row), once each is known and
-    every ``--param`` is one they take with a value they accept; else
-    :class:`BenchError`, before any row runs."""
+    every ``--param`` is one they take, with a value they accept, that a row
+    which runs here would use; else :class:`BenchError`, before any row runs."""
     rows = load_rows()
     names = list(only) if only else list(rows)
     unknown = [n for n in names if n not in rows]
     if unknown:
         unloaded = "".join(f"; rows of {m} not loaded: {why}" for m, why in UNLOADED.items())
         raise BenchError(f"unknown benchmark rows {unknown}; known: {', '.join(rows)}{unloaded}")
-    _params.check_known({n: rows[n].params for n in names}, options.params, named=bool(only))
+    declared = {n: rows[n].params for n in names}
+    _params.check_known(declared, options.params, named=bool(only))
     for n in names:
         _params.resolve(n, rows[n].params, options.params)
+    skipped = {n: why for n in names
+               if (why := _why_not_run(rows[n], skip_heavy=skip_heavy, named=bool(only))) is not None}
+    _params.check_used(declared, skipped, options.params)
     return names
 
 
@@ -239,14 +253,12 @@ def run_rows(
     heavy rows as not run too (only when no row is named); so is each row
     module whose extra is missing (``UNLOADED``), with no row named."""
     rows = load_rows()
-    names = check_request(options, only)
+    names = check_request(options, only, skip_heavy=skip_heavy)
     # A module whose extra is missing reports, in place of its rows, that it did not run.
     results: list[BenchResult] = [] if only else [not_run(m, f"rows of {m}", why) for m, why in UNLOADED.items()]
     for n in names:
         row = rows[n]
-        why = missing(row.needs)
-        if why is None and skip_heavy and not only and row.heavy:
-            why = f"heavy ({row.heavy}); skipped by --skip-heavy"
+        why = _why_not_run(row, skip_heavy=skip_heavy, named=bool(only))
         if why is not None:
             results.append(not_run(row.name, row.title, why))
             continue

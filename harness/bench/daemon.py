@@ -68,9 +68,6 @@ class _Daemon:
         stop_daemon(self.proc, 60)
 
 
-_MODEL = "tiny, smollm2 or a checkpoint directory"
-
-
 def _checkpoint(options: BenchOptions, work: Path) -> Path:
     model = options.value("model")
     if model == "tiny":
@@ -83,7 +80,7 @@ def _checkpoint(options: BenchOptions, work: Path) -> Path:
         return write_smollm2(work / "smollm2", progress=False)
     if Path(model).is_dir():
         return Path(model)
-    raise BenchError(f"model={model!r}: use {_MODEL}")
+    raise BenchError(f"model={model!r}: use {P.MODEL.allowed}")
 
 
 # (figure, label, what it times) reported per engine pair, auto beside verified_cache.
@@ -96,7 +93,7 @@ _PHASES = (
 
 @bench_row("daemon_weight_load", "engine weight load, ready and first token: verified_cache hit vs auto",
            heavy="two vLLM engine starts and a loaded-stage daemon (about 1-2 min on 2 cores)",
-           params=(P.Param("model", P.model, "tiny", _MODEL),))
+           params=(P.Param("model", P.MODEL, "tiny"),))
 def daemon_weight_load(options: BenchOptions) -> list[BenchResult]:
     from preload.promote import promote
 
@@ -183,8 +180,8 @@ def _weight_bytes(ckpt: Path) -> int:
 
 
 @bench_row("daemon_peak_memory", "daemon peak memory as a multiple of weight bytes",
-           params=(P.Param("size", P.size, 256 << 20, "a size >= 1 byte (e.g. 256M)", "default 256M"),
-                   P.Param("model", P.model, None, _MODEL, "default: none; also a loaded-stage daemon on it")))
+           params=(P.Param("size", P.SIZE, 256 << 20, "default 256M"),
+                   P.Param("model", P.MODEL, None, "default: none; also a loaded-stage daemon on it")))
 def daemon_peak_memory(options: BenchOptions) -> list[BenchResult]:
     from harness.bench.synthetic import write_synthetic
 

@@ -18,8 +18,8 @@ from harness.bench import params as P
 
 @bench_row("gate_selftest", "gate self-test on the tiny fixture: cold vs auto cache warm",
            heavy="the full self-test twice: dozens of vLLM engine runs, up to 30 min on 2 cores",
-           params=(P.Param("mutations", P.mutations, "all", "all or comma-separated mutation cases"),
-                   P.Param("jobs", P.positive_int, 1, "an integer >= 1")))
+           params=(P.Param("mutations", P.MUTATIONS, "all"),
+                   P.Param("jobs", P.integer(1), 1)))
 def gate_selftest(options: BenchOptions) -> list[BenchResult]:
     from fixtures.tiny import write_tiny
     from harness.gate import GateOptions, run_gate

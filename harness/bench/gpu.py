@@ -41,8 +41,8 @@ _DEFAULT_TENSORS = 320
 
 
 # The GPU rows' parameters (gpu_attach, gpu_checksum, gpu_daemon_attach).
-GPU_PARAMS = (P.Param("tensors", P.positive_int, _DEFAULT_TENSORS, "an integer >= 1"),
-              P.Param("reps", P.positive_int, 7, "an integer >= 1"))
+GPU_PARAMS = (P.Param("tensors", P.integer(1), _DEFAULT_TENSORS),
+              P.Param("reps", P.integer(1), 7))
 
 
 def gpu_params(options: BenchOptions) -> tuple[int, int]:

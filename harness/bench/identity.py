@@ -38,8 +38,9 @@ import os
 import shutil
 import statistics
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from harness.bench import BenchOptions, BenchResult, Figure, bench_row, progress, scratch
 from harness.bench import params as P
@@ -112,17 +113,30 @@ _PAIRS = (
 
 
 _SCHEMES = ("header_only", "sampled_1k", "path_stat", "realpath", "content/stat", "content/pinned", "content/full")
-_MS = "a number >= 0 (milliseconds)"
+_MS = P.number(0, unit="milliseconds")
+
+
+def _without(scheme: str, what: str) -> Callable[[Mapping[str, Any]], str | None]:
+    """A parameter read only where ``schemes`` measures ``scheme``."""
+    return lambda v: None if scheme in v["schemes"] else f"{what} only with {scheme} in schemes"
+
+
+def _trips_unused(v: Mapping[str, Any]) -> str | None:
+    stat = v["latency_ms"] if v["stat_latency_ms"] is None else v["stat_latency_ms"]
+    if stat == 0:
+        return "round trips are counted only under a stat latency > 0 (stat_latency_ms, else latency_ms)"
+    return _without("content/stat", "round trips are counted")(v)
+
+
 PARAMS = (
-    P.Param("shards", P.positive_int, 66, "an integer >= 1"),
-    P.Param("shard_mb", P.positive_float, 4.0, "a number > 0 (MiB per shard)"),
-    P.Param("latency_ms", P.nonnegative_float, 50.0, _MS, "default 50; each open and read of the remote variant"),
-    P.Param("stat_latency_ms", P.nonnegative_float, None, _MS, "default: latency_ms; each stat and listing"),
-    P.Param("header_impl", P.choice(*anchors.HEADER_IMPLS), "auto", f"one of {', '.join(anchors.HEADER_IMPLS)}"),
-    P.Param("trip_shards", P.positive_ints, (1000,), "comma-separated integers >= 1"),
-    P.Param("trip_repeats", P.positive_int, 3, "an integer >= 1"),
-    P.Param("schemes", P.subset(_SCHEMES), _SCHEMES, f"comma-separated, of {', '.join(_SCHEMES)}",
-            "default: all"),
+    P.Param("shards", P.integer(1), 66),
+    P.Param("shard_mb", P.number(0, above=True, unit="MiB per shard"), 4.0),
+    P.Param("latency_ms", _MS, 50.0, "default 50; each open and read of the remote variant"),
+    P.Param("stat_latency_ms", _MS, None, "default: latency_ms; each stat and listing"),
+    P.Param("header_impl", P.choice(*anchors.HEADER_IMPLS), "auto"),  # warms up and is reported whatever is timed
+    P.Param("trip_shards", P.integers(1), (1000,), unused=_trips_unused),
+    P.Param("trip_repeats", P.integer(1), 3, unused=_without("content/stat", "cold starts are repeated")),
+    P.Param("schemes", P.subset(_SCHEMES), _SCHEMES, "default: all"),
 )
 
 

@@ -128,10 +128,10 @@ def load_many(checkpoint: Path, clients: int) -> list[ClientResult]:
 
 
 @bench_row("attach_load", "N engines attaching to one daemon at once (CPU shm)",
-           params=(P.Param("clients", P.positive_int, 32, "an integer >= 1"),
-                   P.Param("rounds", P.positive_int, 3, "an integer >= 1"),
-                   P.Param("load_mb", P.positive_float, 32.0, "a number > 0 (MiB of weights)"),
-                   P.Param("load_shards", P.positive_int, 4, "an integer >= 1")))
+           params=(P.Param("clients", P.integer(1), 32),
+                   P.Param("rounds", P.integer(1), 3),
+                   P.Param("load_mb", P.number(0, above=True, unit="MiB of weights"), 32.0),
+                   P.Param("load_shards", P.integer(1), 4)))
 def attach_load(options: BenchOptions) -> list[BenchResult]:
     from harness.bench.synthetic import write_synthetic
     from harness.daemon_process import DaemonProcess

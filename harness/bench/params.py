@@ -1,47 +1,197 @@
-"""Row parameters (``preload-gate bench --param KEY=VALUE``): declared, parsed, refused.
+"""Row parameters (``preload-gate bench --param KEY=VALUE``): declared once, parsed, refused.
 
 Every row declares the parameters it reads (:class:`Param`: a name, a
-parser, a default, what is allowed in words), and every ``--param`` is
-checked against the rows asked for before any of them runs: a key no row
-takes, or a value its parser refuses, is one line naming the row, the key
-and what is allowed (exit 2). A row reads its values parsed, through
-``options.value(name)``, never the raw text: a row cannot read what it did
-not declare, and a typo is never silently a default.
+:class:`Kind`, a default), and every ``--param`` is checked against the rows
+asked for before any of them runs. The kind is the one declaration of a
+parameter's type and range: it parses the text, says in words what is
+allowed ("an integer >= 1"), and names texts on either side of each bound,
+which the registry's table test (``tests/unit/test_bench_params.py``) tries
+on every parameter of every row. Refused, each in one line naming the row,
+the key and what is allowed (exit 2):
 
-Parsers are ``argparse``-style ``type=`` callables: the numeric flags'
-(:mod:`pgbase.cliargs`) and the few below. Each raises
-``argparse.ArgumentTypeError`` (or ``ValueError``) with the reason.
+- a key none of the rows asked for takes (:func:`check_known`);
+- a value its kind refuses (:func:`resolve`);
+- a key given twice (:func:`given`), or one that would go unused: its only
+  rows do not run here (no CUDA; ``--skip-heavy``), or the row's other
+  values leave it out (``Param.unused``, :func:`check_used`).
 
->>> shards = Param("shards", positive_int, 66, "an integer >= 1")
+A row reads its values parsed, through ``options.value(name)``, never the
+raw text: a row cannot read what it did not declare, and a typo is never
+silently a default.
+
+>>> shards = Param("shards", integer(1), 66)
 >>> resolve("restart_identity", [shards], {"shards": "5"})
 {'shards': 5}
+>>> shards.describe()
+'shards: an integer >= 1 (default 66)'
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harness.bench.errors import BenchError
-from pgbase.cliargs import nonnegative_float, nonnegative_int, positive_float, positive_int
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A parameter's type and range. ``parse`` turns the text into the value
+    or raises ``argparse.ArgumentTypeError`` with the reason; ``allowed`` says
+    the same rule in words; ``refused`` are texts just past each bound (and an
+    ill-typed one), ``accepted`` texts at each bound."""
+
+    parse: Callable[[str], Any]
+    allowed: str
+    refused: tuple[str, ...]
+    accepted: tuple[str, ...]
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+def integer(lo: int, hi: int | None = None, unit: str = "") -> Kind:
+    """An integer in ``[lo, hi]`` (``hi`` None: no upper bound)."""
+    allowed = f"an integer >= {lo}" if hi is None else f"an integer from {lo} to {hi}"
+    allowed += f" ({unit})" if unit else ""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if n < lo or (hi is not None and n > hi):
+            raise argparse.ArgumentTypeError(f"{n} is out of range")
+        return n
+
+    refused = ("x", "1.5", str(lo - 1), *(() if hi is None else (str(hi + 1),)))
+    return Kind(parse, allowed, refused, (str(lo), *(() if hi is None else (str(hi),))))
+
+
+def number(lo: float, *, above: bool = False, unit: str = "") -> Kind:
+    """A finite number >= ``lo`` (``above``: > ``lo``)."""
+    allowed = f"a number {'>' if above else '>='} {_fmt(lo)}" + (f" ({unit})" if unit else "")
+
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(x):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if x < lo or (above and x == lo):
+            raise argparse.ArgumentTypeError(f"{_fmt(x)} is out of range")
+        return x
+
+    edge = _fmt(lo + 0.5) if above else _fmt(lo)
+    return Kind(parse, allowed, ("fast", "nan", "inf", _fmt(lo) if above else _fmt(lo - 1)), (edge, "2.5"))
+
+
+def integers(lo: int) -> Kind:
+    """A comma-separated, non-empty list of integers >= ``lo`` (``1000`` or ``6,4``)."""
+    one = integer(lo)
+
+    def parse(text: str) -> tuple[int, ...]:
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError("no number given")
+        return tuple(one.parse(p) for p in parts)
+
+    return Kind(parse, f"comma-separated integers >= {lo}", (",", f"6,{lo - 1}", "6,x"), (str(lo), f"{lo},6"))
+
+
+def choice(*names: str) -> Kind:
+    """Exactly one of ``names``."""
+
+    def parse(text: str) -> str:
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(names)}")
+        return text
+
+    return Kind(parse, f"one of {', '.join(names)}", ("", "mine", names[0].upper()), names)
+
+
+def subset(known: Sequence[str]) -> Kind:
+    """A comma-separated, non-empty list of ``known`` names."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}" if unknown else "no name given")
+        return names
+
+    return Kind(parse, f"comma-separated, of {', '.join(known)}", (",", f"{known[0]},nope"),
+                (known[0], ",".join(known[:2])))
+
+
+def _size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 2G, 512M, 65536")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2)]
+    n = int(float(m.group(1)) * scale)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"size {text!r} is less than one byte")
+    return n
+
+
+# ``2G``, ``512M``, ``64K`` (binary units, optional trailing B/iB) or a byte count >= 1.
+SIZE = Kind(_size, "a size >= 1 byte (e.g. 256M, 2G, 65536)", ("lots", "0", "-1M"), ("1", "64M", "1.5G"))
+
+
+def size(text: str) -> int:
+    """:data:`SIZE`'s parser (``bench --size`` reads sizes the same way)."""
+    return _size(text)
+
+
+def _model(text: str) -> str:
+    if text in ("tiny", "smollm2") or Path(text).is_dir():
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither tiny, smollm2 nor a directory")
+
+
+MODEL = Kind(_model, "tiny, smollm2 or a checkpoint directory", ("/no/such/model", "huge"), ("tiny", "smollm2"))
+
+
+def _mutations(text: str) -> str:
+    from harness.mutations import CaseSelectionError, select_cases
+
+    try:
+        select_cases(text)
+    except CaseSelectionError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+# The gate's own case selection (``gate --mutations``), asked, not copied.
+MUTATIONS = Kind(_mutations, "all or comma-separated mutation cases", ("bogus", "identical_copy,bogus"),
+                 ("all", "identical_copy,zeroed_norm"))
 
 
 @dataclass(frozen=True)
 class Param:
-    """One ``--param`` a row takes. ``allowed`` says in words what ``parse``
-    accepts ("an integer >= 1"); ``default`` is the parsed value used when the
-    key is not given (None where the row derives it, ``help`` says from what)."""
+    """One ``--param`` a row takes: its :class:`Kind` (type and range), the
+    value used when the key is not given (None where the row derives it,
+    ``help`` says from what), and ``unused``: given the row's parsed values,
+    why this one would change nothing (None: it is used)."""
 
     name: str
-    parse: Callable[[str], Any]
+    kind: Kind
     default: Any
-    allowed: str
     help: str = ""
+    unused: Callable[[Mapping[str, Any]], str | None] | None = field(default=None, compare=False)
+
+    @property
+    def allowed(self) -> str:
+        return self.kind.allowed
 
     def describe(self) -> str:
         """``name: allowed (default D)``, as ``bench --list`` shows it."""
@@ -55,72 +205,23 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
-def choice(*names: str) -> Callable[[str], str]:
-    """A parser taking exactly one of ``names``."""
-
-    def parse(text: str) -> str:
-        if text not in names:
-            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(names)}")
-        return text
-
-    return parse
-
-
-def subset(known: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
-    """A parser taking a comma-separated, non-empty list of ``known`` names."""
-
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(n.strip() for n in text.split(",") if n.strip())
-        unknown = [n for n in names if n not in known]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}" if unknown else "no name given")
-        return names
-
-    return parse
-
-
-def positive_ints(text: str) -> tuple[int, ...]:
-    """A comma-separated, non-empty list of integers >= 1 (``1000`` or ``6,4``)."""
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError("no number given")
-    return tuple(positive_int(p) for p in parts)
-
-
-def size(text: str) -> int:
-    """``2G``, ``512M``, ``64K`` (binary units, optional trailing B/iB) or a byte count >= 1."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:i?b)?\s*", text.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 2G, 512M, 65536")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2)]
-    n = int(float(m.group(1)) * scale)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"size {text!r} is less than one byte")
-    return n
-
-
-def model(text: str) -> str:
-    """``tiny``, ``smollm2`` or an existing checkpoint directory."""
-    if text in ("tiny", "smollm2") or Path(text).is_dir():
-        return text
-    raise argparse.ArgumentTypeError(f"{text!r} is neither tiny, smollm2 nor a directory")
-
-
-def mutations(text: str) -> str:
-    """``all`` or a comma-separated list of the gate's mutation cases."""
-    from harness.mutations import CaseSelectionError, select_cases
-
-    try:
-        select_cases(text)
-    except CaseSelectionError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+def given(items: Iterable[str]) -> dict[str, str]:
+    """``KEY=VALUE`` texts as given on the command line, each key once."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise BenchError(f"--param wants KEY=VALUE, got {item!r}")
+        if key in out:
+            raise BenchError(f"--param {key} is given twice ({out[key]}, {value}); give it once")
+        out[key] = value
+    return out
 
 
 def resolve(row: str, declared: Iterable[Param], given: Mapping[str, str]) -> dict[str, Any]:
     """Each of ``row``'s ``declared`` parameters: the given text parsed, else
     its default. Keys the row does not declare are left alone (other rows'
-    keys: :func:`check_known` is the check for those). A value the parser
+    keys: :func:`check_known` is the check for those). A value the kind
     refuses is :class:`BenchError`, one line naming the row, key and rule."""
     out: dict[str, Any] = {}
     for p in declared:
@@ -129,7 +230,7 @@ def resolve(row: str, declared: Iterable[Param], given: Mapping[str, str]) -> di
             continue
         text = given[p.name]
         try:
-            out[p.name] = p.parse(text)
+            out[p.name] = p.kind.parse(text)
         except (argparse.ArgumentTypeError, ValueError) as exc:
             raise BenchError(f"bench row {row}: --param {p.name}={text}: {exc}; allowed: {p.allowed}") from None
     return out
@@ -153,5 +254,28 @@ def check_known(rows: Mapping[str, Sequence[Param]], given: Iterable[str], *, na
                          "see preload-gate bench --list for each row's parameters")
 
 
-__all__ = ["Param", "check_known", "choice", "model", "mutations", "nonnegative_float", "nonnegative_int",
-           "positive_float", "positive_int", "positive_ints", "resolve", "size", "subset"]
+def check_used(rows: Mapping[str, Sequence[Param]], skipped: Mapping[str, str], given: Mapping[str, str]) -> None:
+    """Refuse a given key that no running row would use: every row that takes
+    it is ``skipped`` here (row -> why it does not run), or leaves it out by
+    its other values (``Param.unused``). ``rows``: every row asked for."""
+    for key, text in given.items():
+        reasons: list[str] = []
+        for row, declared in rows.items():
+            p = next((p for p in declared if p.name == key), None)
+            if p is None:
+                continue
+            if row in skipped:
+                reasons.append(f"bench row {row} does not run here ({skipped[row]})")
+                continue
+            why = p.unused(resolve(row, declared, given)) if p.unused else None
+            if why is None:
+                break  # a running row reads it
+            reasons.append(f"bench row {row}: {why}")
+        else:
+            if reasons:
+                raise BenchError(f"--param {key}={text} would be unused: {'; '.join(reasons)}; drop it, "
+                                 "or change what leaves it out")
+
+
+__all__ = ["MODEL", "MUTATIONS", "SIZE", "Kind", "Param", "check_known", "check_used", "choice", "given",
+           "integer", "integers", "number", "resolve", "size", "subset"]

@@ -1,15 +1,15 @@
-"""``preload-gate bench --param KEY=VALUE``: declared per row, checked before any row runs.
+"""``preload-gate bench --param KEY=VALUE``: declared once per row, checked before any row runs.
 
-New-user F8: a value a row's ``int()`` could not read was a traceback
-(``shards=abc``), an out-of-range one failed deep inside the row or was
-silently meaningless (``trip_repeats=0``, ``clients=0``), and a key no row
-reads (``shard=3``) was ignored. Every row now declares its parameters, and
-a bad key or value is one line naming the row, the key and what is allowed.
-
-One row per declared parameter: a value it refuses, and a good neighbour
-that passes the same check; a check that every declared parameter has a
-row, and that every ``options.value(...)`` a row module reads is declared.
-Nothing here runs a row (the check comes first; the rows are never called).
+The table is the registry itself: every parameter of every row, each text
+its kind names on either side of each bound (an ill-typed one, one past the
+range) and the kind's ``allowed`` line. A refused text is one line naming
+the row, the key, the value and what is allowed; an accepted one passes the
+same check (the neighbour). A new row or parameter is covered by being
+declared. Unknown keys, keys given twice, and keys every running row would
+leave unused (its rows do not run here; the row's other values leave it
+out, one row per ``Param.unused``, with a check that every such parameter
+has one) are refused the same way. Nothing here runs a row (the check comes
+first; the rows are never called).
 """
 
 from __future__ import annotations
@@ -21,63 +21,108 @@ from pathlib import Path
 import pytest
 
 from harness.bench import ROWS, BenchError, BenchOptions, check_request, load_rows, run_rows
+from harness.bench import params as P
 
 pytestmark = pytest.mark.unit
 
-# row, key, a refused value, what the line names, an accepted value.
-CASES = [
-    ("restart_identity", "shards", "abc", "is not an integer", "5"),
-    ("restart_identity", "shard_mb", "0", "is not a positive number", "0.05"),
-    ("restart_identity", "latency_ms", "-1", "is negative", "0"),
-    ("restart_identity", "stat_latency_ms", "fast", "is not a number", "2.5"),
-    ("restart_identity", "header_impl", "mine", "is not one of auto, vllm, reimpl", "reimpl"),
-    ("restart_identity", "trip_shards", "6,0", "is not a positive integer", "6,4"),
-    ("restart_identity", "trip_repeats", "0", "is not a positive integer", "2"),
-    ("restart_identity", "schemes", "content/stat,nope", "unknown nope", "content/stat,content/pinned"),
-    ("promote_throughput", "hash_shards", "-2", "is not a positive integer", "4"),
-    ("promote_throughput", "repeats", "1.5", "is not an integer", "1"),
-    ("promote_throughput", "workers", "-1", "is negative", "0"),
-    ("daemon_weight_load", "model", "/no/such/model", "is neither tiny, smollm2 nor a directory", "tiny"),
-    ("daemon_peak_memory", "size", "lots", "bad size", "64M"),
-    ("daemon_peak_memory", "model", "huge", "is neither tiny, smollm2 nor a directory", "smollm2"),
-    ("gpu_attach", "tensors", "0", "is not a positive integer", "8"),
-    ("gpu_attach", "reps", "x", "is not an integer", "3"),
-    ("gpu_checksum", "tensors", "-8", "is not a positive integer", "8"),
-    ("gpu_checksum", "reps", "0", "is not a positive integer", "1"),
-    ("gpu_daemon_attach", "tensors", "1e3", "is not an integer", "40"),
-    ("gpu_daemon_attach", "reps", "-1", "is not a positive integer", "2"),
-    ("gate_selftest", "mutations", "bogus", "unknown mutation bogus", "identical_copy,zeroed_norm"),
-    ("gate_selftest", "jobs", "0", "is not a positive integer", "2"),
-    ("attach_load", "clients", "0", "is not a positive integer", "4"),
-    ("attach_load", "rounds", "many", "is not an integer", "1"),
-    ("attach_load", "load_mb", "nan", "is not a finite number", "1.5"),
-    ("attach_load", "load_shards", "0", "is not a positive integer", "2"),
-]
+
+def _every_param() -> list[tuple[str, P.Param]]:
+    return [(r.name, p) for r in load_rows().values() for p in r.params]
+
+
+PARAMS = _every_param()
+REFUSED = [(row, p, text) for row, p in PARAMS for text in p.kind.refused]
+ACCEPTED = [(row, p, text) for row, p in PARAMS for text in p.kind.accepted]
 
 
 @pytest.fixture(autouse=True)
 def _rows_never_run(monkeypatch):
-    """A check that let a bad value through would run the row: fail instead."""
+    """A check that let a bad value through would run the row: fail instead.
+    Every row runs here as far as the check knows (CUDA rows included), so a
+    value is judged by its kind alone; the unused rows below say otherwise."""
     for name, row in list(load_rows().items()):
         monkeypatch.setitem(ROWS, name, replace(row, run=lambda _o, name=name: pytest.fail(f"row {name} ran")))
+    monkeypatch.setattr("harness.bench.missing", lambda needs: None)
 
 
-@pytest.mark.parametrize(("row", "key", "bad", "why", "good"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_a_bad_value_is_one_line_naming_row_key_and_rule(tmp_path, row, key, bad, why, good):
-    declared = {p.name: p for p in load_rows()[row].params}
+def test_the_registry_declares_parameters():
+    assert len(PARAMS) >= 20 and len(REFUSED) >= 3 * len(PARAMS) - 10
+    for row, p in PARAMS:
+        assert p.kind.refused and p.kind.accepted, (row, p.name)
+        # The default is a value of the kind (None: the row derives it, and says from what).
+        assert p.default is not None or p.help, (row, p.name)
+
+
+@pytest.mark.parametrize(("row", "param", "text"), REFUSED, ids=[f"{r}-{p.name}-{t!r}" for r, p, t in REFUSED])
+def test_a_refused_value_is_one_line_naming_row_key_and_rule(tmp_path, row, param, text):
     with pytest.raises(BenchError) as caught:
-        run_rows(BenchOptions(workdir=tmp_path, params={key: bad}), [row])
+        run_rows(BenchOptions(workdir=tmp_path, params={param.name: text}), [row])
     line = str(caught.value)
-    assert line.startswith(f"bench row {row}: --param {key}={bad}: ") and why in line, line
-    assert line.endswith(f"allowed: {declared[key].allowed}") and "\n" not in line
-    # The neighbour: a good value passes the same check (and is parsed, not text).
-    assert check_request(BenchOptions(workdir=tmp_path, params={key: good}), [row]) == [row]
+    assert line.startswith(f"bench row {row}: --param {param.name}={text}: "), line
+    assert line.endswith(f"; allowed: {param.allowed}") and "\n" not in line and "Traceback" not in line
     assert not list(tmp_path.iterdir()), "refused before anything was written"
 
 
-def test_every_declared_parameter_has_a_row():
-    declared = {(r.name, p.name) for r in load_rows().values() for p in r.params}
-    assert declared == {(row, key) for row, key, *_ in CASES}
+@pytest.mark.parametrize(("row", "param", "text"), ACCEPTED, ids=[f"{r}-{p.name}-{t!r}" for r, p, t in ACCEPTED])
+def test_an_accepted_value_passes_the_same_check(row, param, text):
+    assert check_request(BenchOptions(params={param.name: text}), [row]) == [row]
+
+
+# Each parameter a row may leave out (its Param.unused), and other values that leave it out.
+UNUSED = [
+    ("restart_identity", "trip_shards", {"schemes": "header_only,content/pinned"}, "round trips are counted only "
+     "with content/stat in schemes"),
+    ("restart_identity", "trip_shards", {"latency_ms": "0"}, "only under a stat latency > 0"),
+    ("restart_identity", "trip_shards", {"latency_ms": "5", "stat_latency_ms": "0"}, "only under a stat latency"),
+    ("restart_identity", "trip_repeats", {"schemes": "content/pinned"}, "only with content/stat in schemes"),
+]
+
+
+@pytest.mark.parametrize(("row", "key", "others", "why"), UNUSED, ids=[f"{u[1]}-{sorted(u[2])}" for u in UNUSED])
+def test_a_value_the_row_leaves_out_is_refused(tmp_path, row, key, others, why):
+    declared = {p.name: p for p in load_rows()[row].params}
+    good = declared[key].kind.accepted[0]
+    with pytest.raises(BenchError) as caught:
+        run_rows(BenchOptions(workdir=tmp_path, params={key: good, **others}), [row])
+    line = str(caught.value)
+    assert line.startswith(f"--param {key}={good} would be unused: bench row {row}: ") and why in line, line
+    assert line.endswith("drop it, or change what leaves it out") and "\n" not in line
+    # The neighbour: the same other values without the key pass.
+    assert check_request(BenchOptions(params=others), [row]) == [row]
+    assert not list(tmp_path.iterdir())
+
+
+def test_every_parameter_a_row_may_leave_out_has_a_row():
+    may = {(row, p.name) for row, p in PARAMS if p.unused is not None}
+    assert may == {(row, key) for row, key, *_ in UNUSED}
+    # Under the defaults each is read: test_an_accepted_value_passes_the_same_check gives it alone.
+
+
+def test_a_key_whose_rows_do_not_run_here_is_refused(monkeypatch):
+    """The GPU rows' keys on a machine without CUDA, and a heavy row's under
+    --skip-heavy, would change nothing: refused, naming the row and why."""
+    monkeypatch.setattr("harness.bench.missing", lambda needs: "no CUDA device is visible" if needs else None)
+    with pytest.raises(BenchError) as caught:
+        run_rows(BenchOptions(params={"tensors": "8"}), ["gpu_attach", "gpu_checksum"])
+    assert str(caught.value) == (
+        "--param tensors=8 would be unused: bench row gpu_attach does not run here (no CUDA device is visible); "
+        "bench row gpu_checksum does not run here (no CUDA device is visible); drop it, or change what leaves "
+        "it out")
+    with pytest.raises(BenchError, match=r"^--param jobs=2 would be unused: bench row gate_selftest does not run "
+                                         r"here \(heavy \(.*\); skipped by --skip-heavy\)"):
+        run_rows(BenchOptions(params={"jobs": "2"}), skip_heavy=True)
+    # Controls: a row that runs reads it, with the others skipped or not.
+    monkeypatch.setattr("harness.bench.missing", lambda needs: None)
+    assert check_request(BenchOptions(params={"tensors": "8"}), ["gpu_attach", "gpu_checksum"])
+    assert check_request(BenchOptions(params={"clients": "2"}), skip_heavy=True)
+
+
+def test_a_key_given_twice_is_refused():
+    with pytest.raises(BenchError, match=r"^--param jobs is given twice \(1, 2\); give it once$"):
+        P.given(["jobs=1", "jobs=2"])
+    with pytest.raises(BenchError, match="^--param wants KEY=VALUE, got 'jobs'$"):
+        P.given(["jobs"])
+    assert P.given(["jobs=1", "clients=2", "schemes=a=b"]) == {"jobs": "1", "clients": "2", "schemes": "a=b"}
 
 
 def test_every_parameter_a_row_reads_is_declared():
@@ -85,9 +130,10 @@ def test_every_parameter_a_row_reads_is_declared():
     an undeclared one would fail only when that row runs, on a GPU box)."""
     bench = Path(__file__).resolve().parents[2] / "harness" / "bench"
     read = {k for f in bench.glob("*.py") for k in re.findall(r'options\.value\("(\w+)"\)', f.read_text())}
-    declared = {p.name for r in load_rows().values() for p in r.params}
+    declared = {p.name for _, p in PARAMS}
     assert read and read <= declared, sorted(read - declared)
-    assert not any("options.param(" in f.read_text() for f in bench.glob("*.py")), "raw text reads are gone"
+    assert not any("options.params[" in f.read_text() or "options.params.get" in f.read_text()
+                   for f in bench.glob("*.py")), "raw text reads are gone"
 
 
 def test_an_unknown_key_names_the_row_and_its_parameters(tmp_path):
@@ -106,14 +152,13 @@ def test_an_unknown_key_names_the_row_and_its_parameters(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_a_row_reads_parsed_values_and_defaults(monkeypatch):
+def test_a_row_reads_parsed_values_and_defaults():
     """The row gets numbers, not text, and the declared default where no key is given."""
     from harness.bench import bench_row
-    from harness.bench.params import Param, positive_int
 
     seen = []
 
-    @bench_row("_probe_row", "probe", params=(Param("n", positive_int, 7, "an integer >= 1"),))
+    @bench_row("_probe_row", "probe", params=(P.Param("n", P.integer(1), 7),))
     def probe(options: BenchOptions) -> list:
         seen.append(options.value("n"))
         return []
@@ -121,8 +166,18 @@ def test_a_row_reads_parsed_values_and_defaults(monkeypatch):
     try:
         probe(BenchOptions(params={"n": "3"}))
         probe(BenchOptions())
-        with pytest.raises(BenchError, match="bench row _probe_row: --param n=0: "):
+        with pytest.raises(BenchError, match="^bench row _probe_row: --param n=0: 0 is out of range; allowed: an "
+                                             "integer >= 1$"):
             probe(BenchOptions(params={"n": "0"}))
     finally:
         ROWS.pop("_probe_row")
     assert seen == [3, 7]
+
+
+def test_control_a_kind_whose_samples_lie_fails_the_table():
+    """A kind whose ``refused`` text it accepts (a range written in words but
+    not enforced) is caught by the same check the table runs."""
+    lax = P.Kind(int, "an integer >= 1", ("0",), ("1",))
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        with pytest.raises(BenchError):
+            P.resolve("probe", [P.Param("n", lax, 1)], {"n": "0"})
