@@ -275,7 +275,7 @@ def _prepare(opts: GateOptions, case: GateCase, base: Path, candidate: Path, dae
 def _run_engines(opts: GateOptions, prepared: list[_Prepared], socket_root: str, workdir: Path) -> None:
     """Every reference (deduplicated, from the cache where possible) and every
     cached engine, ``opts.jobs`` at a time."""
-    refs = ReferenceCache(opts.reference_cache, opts.progress)
+    refs = ReferenceCache(opts.reference_cache, opts.progress, opts.engine_timeout_s)
     version = vllm_version()
     ref_jobs: dict[str, EngineSpec] = {}
     ref_names: dict[str, str] = {}
@@ -310,7 +310,7 @@ def _run_engines(opts: GateOptions, prepared: list[_Prepared], socket_root: str,
         if kind == "cached":
             done[(kind, name)] = run()
         else:  # waiting for another run's engine holds no core
-            done[(kind, name)], was_reused = refs.reference([name], run)
+            done[(kind, name)], was_reused = refs.reference([name], run, what=pending.checkpoint)
             if was_reused:
                 reused.add(name)
                 opts.note("engine-done", f"reference {ref_names[name]} ({len(done)}/{total}, "

@@ -162,7 +162,7 @@ def _run_engines(target: CacheTarget, opts: Any, items: list[_Case], workdir: Pa
                  note: Callable[[str, str], None]) -> None:
     from harness.gate.references import ReferenceCache, vllm_version
 
-    refs = ReferenceCache(opts.reference_cache, opts.progress)
+    refs = ReferenceCache(opts.reference_cache, opts.progress, opts.engine_timeout_s)
     version = vllm_version()
     ref_jobs: dict[str, tuple[str, EngineSpec, list[str]]] = {}
     cached_jobs: dict[str, tuple[str, EngineSpec]] = {}
@@ -210,7 +210,7 @@ def _run_engines(target: CacheTarget, opts: Any, items: list[_Case], workdir: Pa
             done[(kind, key)] = run()
             return
         # Waiting for another run's engine holds no core.
-        done[(kind, key)], was_reused = refs.reference(ref_jobs[key][2], run)
+        done[(kind, key)], was_reused = refs.reference(ref_jobs[key][2], run, what=pending.checkpoint)
         if was_reused:
             reused.add(key)
             note("engine-done", f"{target.name} reference {label} (reused: another run stored it meanwhile)")

@@ -14,12 +14,23 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 from daemon_support import short_dir
 
 from pgbase.errors import PreflightError
-from pgbase.lockfile import LockFileError, open_lock_file, read_holder, record_holder
+from pgbase.lockfile import (
+    Holder,
+    LockFileError,
+    holder_gone,
+    open_by,
+    open_lock_file,
+    read_holder,
+    record_holder,
+)
 from preload.daemon.lock import RankBusyError, RankLock
 from preload.preflight import check_rank_locks
 
@@ -63,12 +74,39 @@ def test_a_missing_lock_file_is_created_or_reported_missing(tmp_path):
     fd = open_lock_file(path, "test lock")
     try:
         assert oct(os.stat(path).st_mode & 0o777) == "0o600"
-        assert read_holder(fd) == ("unknown", None)
-        record_holder(fd)
-        pid, since = read_holder(fd)
-        assert pid == str(os.getpid()) and since is not None and since > 0
+        assert read_holder(fd) == ("unknown", None, "")
+        record_holder(fd, "/models/a b\nc")
+        pid, since, what = read_holder(fd)
+        assert pid == str(os.getpid()) and since is not None and since > 0 and what == "/models/a b c"
+        record_holder(fd)  # a shorter record replaces the longer one whole
+        assert read_holder(fd).what == ""
     finally:
         os.close(fd)
+
+
+def test_a_holder_that_no_longer_runs_is_gone():
+    """A free pid, or a pid that now names a process started after the lock
+    was taken (reused), is gone; this process, since after it started, is not."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert holder_gone(Holder(str(dead.pid), time.time()))
+    assert not holder_gone(Holder(str(os.getpid()), time.time()))  # control: alive
+    assert holder_gone(Holder(str(os.getpid()), 1_000_000.0)), "a lock taken in 1970 was not taken by this process"
+    assert not holder_gone(Holder("unknown", None)), "nobody named is not known to be gone"
+
+
+def test_open_by_names_the_processes_with_the_file_open(tmp_path):
+    path = tmp_path / "x.lock"
+    path.write_text("")
+    keeper = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1]); print(1, flush=True); "
+                               "time.sleep(60)", str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert keeper.stdout is not None and keeper.stdout.readline()
+        assert open_by(path) == [keeper.pid]
+    finally:
+        keeper.kill()
+        keeper.wait()
+    assert open_by(path) == []  # control: closed with its process
 
 
 @pytest.mark.parametrize("kind", ["directory", "symlink"])
