@@ -305,6 +305,6 @@ def test_a_reference_being_computed_is_waited_for_not_computed_twice(tmp_path):
     import contextlib
 
     unlocked = ReferenceCache(tmp_path / "refs2")
-    unlocked._locked = lambda key: contextlib.nullcontext()  # type: ignore[method-assign]
+    unlocked._locked = lambda key, what: contextlib.nullcontext()  # type: ignore[method-assign]
     runs, out = _race_for_one_reference(unlocked)
     assert runs == -2 and [reused for _, reused in out] == [False, False]
