@@ -52,15 +52,18 @@ def metric_families(stats: Sequence[dict[str, Any] | None], sockets: Sequence[st
     rank did not answer), in the order of ``sockets``.
 
     ``rank_up`` (gauge, 1/0) per socket; per answering rank, labelled
-    ``rank`` and ``digest``: ``hits_total`` and ``misses_total`` (counters,
-    the latter by ``reason``), ``attached_engines``, ``resident_bytes`` and
-    ``load_seconds`` (gauges).
+    ``rank`` and ``digest``: ``hits_total``, ``misses_total`` (by ``reason``)
+    and ``attach_failures_total`` (by ``kind``) (counters),
+    ``attached_engines``, ``resident_bytes`` and ``load_seconds`` (gauges).
     """
     base_labels = ["rank", "digest"]
     up = GaugeMetricFamily(PREFIX + "rank_up", "1 when the rank answers on its socket")
-    hits = CounterMetricFamily(PREFIX + "hits_total", "get_state answers that matched the key", labels=base_labels)
-    misses = CounterMetricFamily(PREFIX + "misses_total", "get_state answers that did not, by reason",
+    hits = CounterMetricFamily(PREFIX + "hits", "attaches the engine reported done after a get_state that matched",
+                               labels=base_labels)
+    misses = CounterMetricFamily(PREFIX + "misses", "get_state answers that did not match, by reason",
                                  labels=[*base_labels, "reason"])
+    failures = CounterMetricFamily(PREFIX + "attach_failures", "get_state answers that matched whose attach then "
+                                   "failed, by kind (closed: no report came)", labels=[*base_labels, "kind"])
     attached = GaugeMetricFamily(PREFIX + "attached_engines", "engines holding a watch connection", labels=base_labels)
     resident = GaugeMetricFamily(PREFIX + "resident_bytes", "bytes held in the rank's arena", labels=base_labels)
     load = GaugeMetricFamily(PREFIX + "load_seconds", "seconds the rank took to read, hash and place its weights",
@@ -75,10 +78,12 @@ def metric_families(stats: Sequence[dict[str, Any] | None], sockets: Sequence[st
         hits.add_metric(base, s["hits"])
         for reason, n in sorted(s["misses"].items()):
             misses.add_metric([*base, str(reason)], n)
+        for kind, n in sorted(s["attach_failures"].items()):
+            failures.add_metric([*base, str(kind)], n)
         attached.add_metric(base, s["attached"])
         resident.add_metric(base, s["resident_bytes"])
         load.add_metric(base, s["load_seconds"])
-    return [up, hits, misses, attached, resident, load]
+    return [up, hits, misses, failures, attached, resident, load]
 
 
 class RankCollector(Collector):

@@ -193,7 +193,7 @@ def test_metrics_scrape_parses_with_prometheus_client(served):
     # The parser names a counter family without ``_total``; its samples keep it.
     assert {n: f.type for n, f in families.items()} == {
         "preload_gate_rank_up": "gauge", "preload_gate_hits": "counter", "preload_gate_misses": "counter",
-        "preload_gate_attached_engines": "gauge", "preload_gate_resident_bytes": "gauge",
+        "preload_gate_attach_failures": "counter", "preload_gate_attached_engines": "gauge", "preload_gate_resident_bytes": "gauge",
         "preload_gate_load_seconds": "gauge",
     }
     rank0, digest = served.ready["ranks"][0], served.ready["digest"]
