@@ -416,12 +416,11 @@ def main(argv: list[str]) -> int:
     host, port = argv[0].rsplit(":", 1)
     sock = Path(argv[1])
     c = DaemonClient.connect(sock.parent, int(sock.stem.removeprefix("rank")))
-    hello = c.hello
-    c.close()
-    from preload.identity.manifest import load_manifest
-
-    manifest = load_manifest(DaemonClient.connect(sock.parent, 0).stats()["checkpoint"])
-    traffic = Traffic(sock, Path(manifest.checkpoint if manifest else ""), str(hello["digest"])).start()
+    try:
+        served = c.stats()  # what it serves: the traffic asks for exactly that
+    finally:
+        c.close()
+    traffic = Traffic(sock, Path(served["checkpoint"]), str(served["digest"])).start()
     t = Target(host, int(port), HEAD_DEADLINE_S)
     failed = 0
     for check in BATTERY:
