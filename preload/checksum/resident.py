@@ -30,13 +30,13 @@ class ResidentWeightsChangedError(PreloadGateError):
     def __init__(self, changed: list[str], checked: int) -> None:
         self.changed = list(changed)
         shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        # What changed, without the advice (the re-adoption proof words its own).
+        self.summary = f"{len(changed)} of {checked} tensors ({shown})"
         super().__init__(
             f"{len(changed)} of {checked} resident tensors changed since the daemon loaded them "
             f"({shown}): an earlier zero-copy engine wrote into the daemon's weights; "
             "restart the daemon (preload-gate preload CKPT) to reload them from the checkpoint"
         )
-
-
 
 
 def _storage_base(first: torch.Tensor, layout: Layout) -> torch.Tensor | None:

@@ -232,7 +232,12 @@ class Transport(abc.ABC):
     def create(self, layout: Layout) -> Arena: ...
 
     @abc.abstractmethod
-    def attach(self, descriptor: dict[str, Any], fds: list[int], layout: Layout) -> Attachment: ...
+    def attach(self, descriptor: dict[str, Any], fds: list[int], layout: Layout, *,
+               writable: bool = True) -> Attachment:
+        """Map the arena in this (engine) process. ``writable=False``: the
+        caller never writes through the tensors, so a transport that can map
+        read-only does (cuda: ``PROT_READ``), and a stray write faults
+        instead of reaching the daemon's bytes."""
 
     @property
     def proof_needs_checksums(self) -> bool:

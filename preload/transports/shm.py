@@ -202,8 +202,12 @@ class ShmTransport(Transport):
                                   f"{arena.layout.total_bytes}")
         return Proof("seals", len(arena.layout.entries), size, time.perf_counter() - start)
 
-    def attach(self, descriptor: dict[str, Any], fds: list[int], layout: Layout) -> ShmAttachment:
+    def attach(self, descriptor: dict[str, Any], fds: list[int], layout: Layout, *,
+               writable: bool = True) -> ShmAttachment:
         """Map the daemon's sealed memfd privately and return typed views.
+
+        ``writable`` changes nothing here: the seal and ``MAP_PRIVATE``
+        already keep every write in the engine's own pages.
 
         Takes ownership of ``fds`` (closed here; the mapping outlives them).
         """
