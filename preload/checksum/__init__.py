@@ -15,7 +15,7 @@ CPU and CI), :mod:`~preload.checksum.planner` and
 
 from __future__ import annotations
 
-from preload.checksum.planner import SHAPE_ENV, ChecksumSettingsError, KernelShape
+from preload.checksum.planner import SHAPE_ENV, ChecksumSettingsError, KernelShape, warm
 from preload.checksum.reference import tensor_checksum
 from preload.checksum.resident import (
     ResidentWeightsChangedError,
@@ -41,4 +41,5 @@ __all__ = [
     "resident_checksums",
     "tensor_checksum",
     "verify_resident",
+    "warm",
 ]
