@@ -9,12 +9,15 @@ missing; ``preload.checksum`` then uses its torch path.
 
 The checksum's weights repeat every 4096 words (lane A's table) and change
 once per 4096-word block (lane B's). A program covers one ``TILE``-word
-slice (``sub``) of ``ITERS`` consecutive blocks of one tensor, loaded as one
-``[ITERS, TILE]`` tile: one load instruction stream with no branch between
-the blocks, so every load of the program is in flight at once (memory
-parallelism is what a memory-bound kernel lives on). Only an item that
-reaches past its tensor's end takes the masked path, which masks the words
-past the end and the bytes past the end within the last word.
+slice (``sub``) of ``ITERS`` consecutive blocks of one tensor, with the
+``TILE`` table weights of its slice loaded once. A program that lies wholly
+inside its tensor (all but the last of each tensor) takes a path with no
+mask and no branch between its blocks, so all its loads can be in flight at
+once (memory parallelism is what a memory-bound kernel lives on); only the
+last takes the masked path, which masks the words past the tensor's end and
+the bytes past the end within the last word. Data loads are marked
+``evict_first``: each byte is read once, and the weight tables should stay
+in L2.
 
 Lane C is never computed word by word. With ``x = lo + 2**16 * hi``,
 ``rot16(x) = 2**16 * lo + hi``, so mod 2**32
@@ -49,28 +52,40 @@ def wsum(words, seg_of_prog, seg_prog0, seg_word0, seg_nbytes, ta, tb, out,
     word0 = tl.multiple_of(tl.load(seg_word0 + seg), 64)
     nbytes = tl.load(seg_nbytes + seg)
     j = tl.arange(0, TILE)
-    r = tl.arange(0, ITERS)
     wa = tl.load(ta + sub * TILE + j).to(tl.uint32, bitcast=True)
-    blk = group * ITERS + r  # [ITERS] 4096-word block indices within the tensor
     # KB = 0x9E3779B1 as an int32 bit pattern: a literal above 2**31 would promote to int64.
     kb = tl.full((), -1640531535, tl.int32).to(tl.uint32, bitcast=True)
-    wb = tl.load(tb + (blk & 4095)).to(tl.uint32, bitcast=True)
-    wb = (wb + (blk >> 12).to(tl.uint32) * kb) | 1
     first = group * ITERS * 4096 + sub * TILE  # first word of this program within the tensor
     ptr = words + tl.multiple_of(word0 + first, 64)
-    offs = r[:, None] * 4096 + j[None, :]  # int32 word offsets from ``first``
-    last_end = (first + (ITERS - 1) * 4096 + TILE) * 4  # byte just past the tile's last word
-    if last_end <= nbytes:
-        x = tl.load(ptr + offs).to(tl.uint32, bitcast=True)
+    acc_a = tl.zeros([TILE], dtype=tl.uint32)
+    acc_b = tl.zeros([TILE], dtype=tl.uint32)
+    acc_q = tl.zeros([TILE], dtype=tl.uint32)
+    if (first + (ITERS - 1) * 4096 + TILE) * 4 <= nbytes:
+        # The whole program lies inside its tensor: no mask and no branch
+        # between the blocks, so all ITERS loads can be in flight at once.
+        for it in tl.static_range(ITERS):
+            x = tl.load(ptr + it * 4096 + j, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+            blk = group * ITERS + it
+            wb = (tl.load(tb + (blk & 4095)).to(tl.uint32, bitcast=True) + (blk >> 12).to(tl.uint32) * kb) | 1
+            acc_a += x * wa
+            acc_b += x * wb
+            acc_q += (x >> 16) * wa
     else:
-        valid = nbytes - (first + offs.to(tl.int64)) * 4  # bytes of the tensor from each word on
-        x = tl.load(ptr + offs, mask=valid > 0, other=0).to(tl.uint32, bitcast=True)
-        shift = (tl.minimum(tl.maximum(valid, 0), 3) * 8).to(tl.uint32)
-        x = tl.where(valid >= 4, x, x & ((tl.full([ITERS, TILE], 1, tl.uint32) << shift) - 1))
-    a = tl.sum(tl.sum(x * wa[None, :], axis=1), axis=0)
-    b = tl.sum(tl.sum(x * wb[:, None], axis=1), axis=0)
-    q = tl.sum(tl.sum((x >> 16) * wa[None, :], axis=1), axis=0)
-    c = (a << 16) + q
+        for it in tl.static_range(ITERS):
+            # bytes of the tensor from this tile on; small here (the tensor ends within this program)
+            left = nbytes - (first + it * 4096) * 4
+            valid = tl.maximum(left, 0).to(tl.int32) - j * 4
+            x = tl.load(ptr + it * 4096 + j, mask=valid > 0, other=0).to(tl.uint32, bitcast=True)
+            shift = (tl.minimum(tl.maximum(valid, 0), 3) * 8).to(tl.uint32)
+            x = tl.where(valid >= 4, x, x & ((tl.full([TILE], 1, tl.uint32) << shift) - 1))
+            blk = group * ITERS + it
+            wb = (tl.load(tb + (blk & 4095)).to(tl.uint32, bitcast=True) + (blk >> 12).to(tl.uint32) * kb) | 1
+            acc_a += x * wa
+            acc_b += x * wb
+            acc_q += (x >> 16) * wa
+    a = tl.sum(acc_a, axis=0)
+    b = tl.sum(acc_b, axis=0)
+    c = (a << 16) + tl.sum(acc_q, axis=0)
     tl.atomic_add(out + seg * 3 + 0, a.to(tl.int32, bitcast=True))
     tl.atomic_add(out + seg * 3 + 1, b.to(tl.int32, bitcast=True))
     tl.atomic_add(out + seg * 3 + 2, c.to(tl.int32, bitcast=True))

@@ -49,7 +49,7 @@ def test_every_kernel_shape_equals_the_reference_in_the_interpreter() -> None:
         tensors = {e.name: view(base, e) for e in layout.entries}
         ref = ck.checksum_tensors(tensors, layout, backend="torch")
         for tile in (1024, 2048, 4096):
-            for iters in (1, 2, 4):  # several programs per tensor, and a partial last one
+            for iters in (1, 2, 3):  # several programs per tensor, and a partial last one
                 lanes = planner.lanes_triton(base, layout, iters=iters, tile=tile)
                 got = dict(zip([e.name for e in layout.entries], planner.hex_rows(lanes)))
                 assert got == ref, (tile, iters, got, ref)
