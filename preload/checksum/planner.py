@@ -47,9 +47,9 @@ class KernelShape:
     tuning on another GPU.
     """
 
-    tile: int = 2048
-    iters: int = 8
-    warps: int = 4
+    tile: int = 4096
+    iters: int = 16
+    warps: int = 8
 
     def __post_init__(self) -> None:
         if self.tile not in (256, 512, 1024, 2048, 4096):
