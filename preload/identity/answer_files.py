@@ -25,7 +25,7 @@ theirs:
   ``eos_token_id`` as stop tokens (ignored under the canary's ``ignore_eos``),
   and some models read it when they are built, whatever the request says
   (vLLM 0.32 ``llama4.py``: ``attn_temperature_tuning``; ``gemma4_mm.py``,
-  ``gemma4_unified.py``: ``suppress_tokens``). It decides answers;
+  ``gemma4_unified.py``, ``gemma4_mtp.py``: ``suppress_tokens``). It decides answers;
 - mistral_common (through transformers' ``MistralCommonBackend``, which vLLM's
   ``--tokenizer-mode mistral`` uses) reads ``tekken.json`` or a
   ``*.model.v<version>`` SentencePiece file; vLLM reads a Mistral-format
