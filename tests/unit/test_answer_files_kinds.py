@@ -189,6 +189,13 @@ def test_a_golden_records_each_answer_file_of_a_changed_template(folder: Path, t
     assert cli_main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "answer_files: chat_template.jinja changed" in err[0], err
+    # The template moved into tokenizer_config.json (the layout before chat_template.jinja).
+    (folder / "chat_template.jinja").unlink()
+    tc = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tc, "chat_template": "{{ messages[0].content }}"}))
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "answer_files: chat_template.jinja removed, tokenizer_config.json changed" in err[0], err
 
 
 def _old_golden(folder: Path, **fields: object) -> Golden:
