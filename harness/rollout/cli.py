@@ -72,6 +72,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--canary-timeout", type=positive_float, default=60.0, help="seconds per canary attempt")
     o.add_argument("--load-gen", action="store_true",
                    help="send requests to every replica throughout; the report counts answered, refused, wrong")
+    o.add_argument("--load-rate", type=positive_float, default=2.0,
+                   help="with --load-gen: requests a second to each replica (default 2)")
     o.add_argument("--socket-root", default=None, help="the daemons' socket root (default PRELOAD_GATE_SOCKET_ROOT)")
     o.add_argument("--state-dir", default=None,
                    help="state file, replica logs and events (default <cache dir>/rollout; one per fleet)")
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from harness.report.terminal import TerminalProgress
     from harness.rollout.flow import Flow
 
-    progress = None if args.json else TerminalProgress()
+    progress = TerminalProgress()  # stderr, also with --json (stdout is the report)
     flow = Flow(args, _engine_args(args), progress)
     code, doc = flow.run()
     if doc is not None:

@@ -16,9 +16,24 @@ from pathlib import Path
 from typing import Any
 
 from canaries.golden import Golden, load_golden
-from harness.rollout.plan import Plan, PlanError, check_checkpoints, check_engine_args, check_golden, per_target
-from harness.rollout.plan import replica_urls, resolve_state
-from harness.rollout.state import Checkpoint, HostLock, RolloutState, label_of, load_state, save_state
+from harness.rollout.plan import (
+    Plan,
+    PlanError,
+    check_checkpoints,
+    check_engine_args,
+    check_golden,
+    per_target,
+    replica_urls,
+    resolve_state,
+)
+from harness.rollout.state import (
+    Checkpoint,
+    HostLock,
+    RolloutState,
+    label_of,
+    load_state,
+    save_state,
+)
 
 Progress = Callable[[str, str], None]
 
@@ -125,15 +140,30 @@ class Flow:
             raise PlanError(f"the gate could not run on {label} ({path}): {report.error or 'see ' + str(out)}")
         return str(out)
 
+    def _digest(self, path: str, label: str, socket_root: str) -> str:
+        """The checkpoint's digest: its manifest's when the restart stat check finds
+        it fresh (promoted already: "if needed"), else promoted now (hashed)."""
+        from pgbase.errors import PreloadGateError
+        from preload.identity.manifest import resolve_digest
+        from preload.promote import promote
+
+        try:
+            digest = resolve_digest(path, "stat").digest
+        except PreloadGateError:  # no manifest, a stale one, or a filesystem stat cannot judge
+            pass
+        else:  # (a daemon makes its socket directory itself)
+            self.note("promote", f"{label}: {path} (promoted: {digest[:16]}, manifest fresh)")
+            return digest
+        self.note("promote", f"{label}: {path}")
+        return promote(path, socket_root=socket_root, progress=False).digest
+
     def sequence(self, plan: Plan, socket_root: str) -> list[Checkpoint]:
         from preload.identity.anchors import header_only_digest
-        from preload.promote import promote
 
         out: list[Checkpoint] = []
         paths = [plan.from_ckpt, *plan.to]
         for i, path in enumerate(paths):
-            self.note("promote", f"{label_of(i)}: {path}")
-            digest = promote(path, socket_root=socket_root, progress=False).digest
+            digest = self._digest(path, label_of(i), socket_root)
             key = header_only_digest(path) if (self.args.unsafe_identity and i > 0) else digest
             golden = self._golden_for(plan, i, path, digest, paths[i - 1] if i else "")
             out.append(Checkpoint(path, digest, golden, key))
@@ -152,7 +182,10 @@ class Flow:
         from harness.rollout.supervised import DEFAULT_SERVE, SupervisedDriver
 
         serve = shlex.split(a.serve_command) if a.serve_command else list(DEFAULT_SERVE)
-        return SupervisedDriver(serve, state.engine_args, self.state_dir, state.fleet_id)
+        s = state.settings
+        ranks = int(s.get("tensor_parallel_size", 1)) * int(s.get("pipeline_parallel_size", 1)) * \
+            int(s.get("data_parallel_size", 1))
+        return SupervisedDriver(serve, state.engine_args, self.state_dir, state.fleet_id, ranks=ranks)
 
     def run(self) -> tuple[int, dict[str, Any] | None]:
         from harness.rollout.plan import StateError
@@ -205,7 +238,7 @@ class Flow:
         def start_load() -> None:
             if a.load_gen:
                 gs = {state.label(k): g for k, g in goldens.items() if g is not None}
-                loadgen.append(LoadGenerator([r.url for r in state.replicas], gs).start())
+                loadgen.append(LoadGenerator([r.url for r in state.replicas], gs, rate=a.load_rate).start())
                 self.note("load", f"load generator on {len(state.replicas)} replicas")
 
         def on_save(_: RolloutState) -> None:
@@ -221,8 +254,8 @@ class Flow:
             code = rollout.run()
         finally:
             counts = loadgen[0].stop().to_json() if loadgen else None
-            if counts is not None:
-                metrics.record_requests(counts)
+            if loadgen:
+                metrics.record_requests(loadgen[0].snapshot())
                 metrics.write()
             doc = build(state, counts, self.evidence)
             self.report_paths = write_report(doc, a.report or self.state_dir)

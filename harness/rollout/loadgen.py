@@ -1,7 +1,9 @@
 """A load generator for a rollout: requests to every replica, each answer judged.
 
 One thread per replica (``per_replica`` of them) sends the golden prompts
-in turn, one completions request at a time, exactly as the canary asks
+in turn, one completions request at a time at ``rate`` requests a second
+per replica (a steady load, not a flood that would starve the restarts on
+a small host), exactly as the canary asks
 them (the prompt's token ids, temperature 0, the golden's ``max_tokens``,
 logprobs and stated penalties, ``return_tokens_as_token_ids``). Every
 request ends in one of three counts:
@@ -38,6 +40,7 @@ from canaries.golden import Golden
 from pgbase.errors import PreloadGateError
 
 REQUEST_TIMEOUT_S = 10.0
+DEFAULT_RATE = 2.0  # requests per second per replica: load, not a flood that starves the restarts
 REFUSED_PAUSE_S = 0.2  # between attempts at a replica that refuses (it is restarting)
 
 
@@ -83,9 +86,11 @@ class LoadGenerator:
     """Threads sending golden prompts to every replica until :meth:`stop`."""
 
     def __init__(self, urls: list[str], goldens: dict[str, Golden], per_replica: int = 1,
-                 tolerance: float = DEFAULT_TOLERANCE, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+                 tolerance: float = DEFAULT_TOLERANCE, timeout_s: float = REQUEST_TIMEOUT_S,
+                 rate: float = DEFAULT_RATE) -> None:
         self.prompts = _check_prompts(goldens)
         self.urls, self.goldens, self.tolerance, self.timeout_s = urls, goldens, tolerance, timeout_s
+        self.interval_s = per_replica / rate if rate > 0 else 0.0
         self.sampling = next(iter(goldens.values())).sampling
         self.counts = LoadCounts(by_replica={u: Counter() for u in urls})
         self._lock = threading.Lock()
@@ -132,8 +137,10 @@ class LoadGenerator:
 
     def _loop(self, url: str, offset: int) -> None:
         model: str | None = None
+        next_at = time.monotonic()
         for k in itertools.count(offset):
-            if self._stop.is_set():
+            next_at += self.interval_s
+            if self._stop.wait(max(0.0, next_at - time.monotonic())):
                 return
             i = k % len(self.prompts)
             try:

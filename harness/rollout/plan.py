@@ -29,7 +29,14 @@ import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from harness.rollout.state import Checkpoint, ReplicaRecord, RolloutState, StateError, label_of, load_state
+from harness.rollout.state import (
+    Checkpoint,
+    ReplicaRecord,
+    RolloutState,
+    StateError,
+    label_of,
+    load_state,
+)
 from pgbase.errors import PreloadGateError
 from preload.deployment import DeploymentSettings, parse_engine_args
 

@@ -196,6 +196,7 @@ class Rollout:
             self.note("serving", f"{self._who(r)}: serves {label} ({res.detail[:120]}; "
                                  f"{res.seconds.get('switch', 0):.1f} s)")
         elif rollback:
+            self.driver.stop(r)  # whatever it runs now is on weights nobody can name: gone, not left starting
             self.state.mark(r, "down", None, note=f"rollback onto {label} failed: {res.reason}")
             self.note("down", f"{self._who(r)}: rollback onto {label} FAILED: {res.reason}: {res.detail[:200]}")
         else:
@@ -317,6 +318,7 @@ class Rollout:
         return True
 
     def _bring_up_failed(self, r: ReplicaRecord, src: Checkpoint, reason: str, detail: str) -> bool:
+        self.driver.stop(r)
         self.state.mark(r, "down", None, note=f"bring-up failed: {reason}")
         self.state.status = "failed"
         self.state.failure = {"replica": r.index, "url": r.url, "onto": self.state.label(src.key), "reason": reason,
@@ -340,11 +342,12 @@ class Rollout:
                         break
                 time.sleep(min(SOAK_POLL_S, max(0.0, end - time.monotonic())))
             golden = self.goldens.get(dst.key)
-            for r in s.replicas if problem is None and golden is not None else []:
+            for r in s.replicas:
+                if problem is not None or golden is None:
+                    break
                 ok, reason, detail, _ = canary(r.url, golden, self.opts.switch)
                 if not ok:
                     problem = (r, reason, f"after the soak: {detail}")
-                    break
         if problem is None:
             return True
         r, reason, detail = problem

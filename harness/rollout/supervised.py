@@ -63,17 +63,33 @@ class SupervisedDriver:
     kind = "supervised"
 
     def __init__(self, serve_command: list[str], engine_args: list[str], state_dir: Path, rollout_id: str,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, ranks: int = 1) -> None:
         self.serve_command = list(serve_command)
         self.engine_args = list(engine_args)
         self.state_dir = state_dir
         self.rollout_id = rollout_id
         self.env = dict(os.environ if env is None else env)
         self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.ranks = ranks
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "serve_command": shlex.join(self.serve_command)}
+
+    def cpu_bind(self, record: ReplicaRecord) -> dict[str, str]:
+        """Replica ``i`` of a single-rank deployment on core ``i`` (mod the cores we may use).
+
+        vLLM's CPU worker pins its OpenMP threads to one core, core 0 unless
+        told otherwise (``VLLM_CPU_OMP_THREADS_BIND``; the gate's
+        :class:`harness.engine.CorePool` says the same): replicas of one host
+        left to that share core 0, and a replica restarting beside a serving
+        one spends minutes there. The caller's own binding wins; multi-rank
+        replicas are left to vLLM's placement. (GPU builds ignore the variable.)
+        """
+        if self.ranks != 1 or "VLLM_CPU_OMP_THREADS_BIND" in self.env:
+            return {}
+        cpus = sorted(os.sched_getaffinity(0))
+        return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[record.index % len(cpus)])}
 
     def argv(self, record: ReplicaRecord, target: Target) -> list[str]:
         host, port = port_of(record.url)
@@ -89,7 +105,7 @@ class SupervisedDriver:
                                                    "stopped (another process listens there)")
         log = Path(record.log or self.state_dir / f"replica-{record.index}.log")
         record.log = str(log)
-        env = {**self.env, MARK_ENV: f"{self.rollout_id}/{record.index}"}
+        env = {**self.env, **self.cpu_bind(record), MARK_ENV: f"{self.rollout_id}/{record.index}"}
         with open(log, "ab") as f:
             f.write(f"\n==> {shlex.join(self.argv(record, target))}\n".encode())
             f.flush()

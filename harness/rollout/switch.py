@@ -27,7 +27,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from canaries.golden import Golden
-from harness.rollout.replicas import ReplicaDriver, StartFailedError, Target, count_events, wait_serving
+from harness.rollout.replicas import (
+    ReplicaDriver,
+    StartFailedError,
+    Target,
+    count_events,
+    wait_serving,
+)
 from harness.rollout.state import ReplicaRecord
 
 REASONS = ("restart_command_failed", "start_failed", "not_ready", "miss", "no_load_event", "wrong_load_event",

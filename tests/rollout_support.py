@@ -12,22 +12,28 @@
   without an event), ``no_event`` (serves, records nothing), ``wrong_event`` (a hit event
   on another digest), ``hang``
   (never serves), ``ties`` (answers with near-ties at every prompt);
-- :class:`FakeDaemons`: the residency functions the runner calls, in memory.
+- :class:`FakeDaemons`: the residency functions the runner calls, in memory;
+- :func:`write_gate`: a passing promotion gate report in the gate's own
+  shape, with its golden, for the evidence tests to forge from.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from canaries.golden import Golden, GoldenPrompt, Sampling
+from harness.gate.references import vllm_version
 from harness.rollout.replicas import StartFailedError, Target
 from harness.rollout.state import DaemonRecord, ReplicaRecord
 from pgbase.ports import free_port
+from preload.deployment import DeploymentSettings
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
 
@@ -217,3 +223,49 @@ class FakeDaemons:
         self.live.pop(d.digest, None)
         self.released.append(d.digest)
         return True
+
+
+DIGEST, BASE, OTHER = "d" * 64, "a" * 64, "e" * 64
+D = DIGEST  # the short name the evidence tests use
+SETTINGS = DeploymentSettings(dtype="bfloat16", max_model_len=256)
+
+
+def _engine(tokens: list[list[int]], events: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"ok": True, "token_ids": tokens, "texts": [""] * len(tokens),
+            "logprobs": [[{str(t): -0.1} for t in p] for p in tokens], "events": events, "timings": {},
+            "error": None, "log_tail": "", "returncode": 0, "timed_out": False, "vllm_version": "0.32.0",
+            "resolved_dtype": "bfloat16"}
+
+
+def _case(name: str, digest: str, daemon: str, events: list[dict[str, Any]], tokens: list[list[int]]) -> dict[str, Any]:
+    settings = {"dtype": "bfloat16", "tensor_parallel_size": 1, "data_parallel_size": 1, **SETTINGS.to_json()}
+    same = daemon == digest
+    return {"name": name, "description": "", "expect": "hit" if same else "miss", "weights_equal": same,
+            "settings": settings, "status": "PASS", "candidate": "/m/B", "candidate_digest": digest,
+            "daemon_digest": daemon, "verdict": {"status": "PASS"}, "not_run_reason": "", "notes": [],
+            "key_check": None, "fingerprints": {}, "reference": _engine(tokens, []), "cached": _engine(tokens, events),
+            "reference_reused": False}
+
+
+def write_gate(tmp: Path, digest: str = DIGEST) -> Path:
+    """A passing promotion report of ``digest``, with its golden, in ``tmp/gate``."""
+    out = tmp / "gate"
+    out.mkdir()
+    g = golden(1, digest)
+    g = replace(g, settings=SETTINGS)
+    (out / "golden.json").write_text(json.dumps(g.to_json()))
+    tokens = [list(p.token_ids[:3]) for p in g.prompts]  # the auto reference stopped at EOS after 3
+    hit = [{"outcome": "hit", "digest": digest, "daemon_digest": digest, "rank": 0, "identity": "content"}]
+    miss = [{"outcome": "miss", "reason": "no daemon for this digest", "digest": digest, "rank": 0,
+             "fields": ["content_digest"]}]
+    report = {"schema_version": 1, "tool": "preload-gate", "mode": "promotion", "target": "verified_cache",
+              "candidate": "/m/B", "base": "/m/A", "verdict": "PASS", "exit_code": 0,
+              "counts": {"PASS": 2, "BLOCK": 0, "NOT_RUN": 0},
+              "controls": {"unsafe_identity": None, "unsafe_silent_fallback": False, "run_tp": False},
+              "logprob_tolerance": 1e-3, "vllm_version": vllm_version(), "seconds": 1.0, "error": None,
+              "daemon": {"digest": digest, "independent_digest": digest},
+              "golden": {"recorded": True, "path": str(out / "golden.json"), "settings": SETTINGS.to_json(),
+                         "sha256": hashlib.sha256((out / "golden.json").read_bytes()).hexdigest()},
+              "cases": [_case("promotion", digest, digest, hit, tokens), _case("switch_from_base", digest, BASE, miss, tokens)]}
+    (out / "report.json").write_text(json.dumps(report))
+    return out
