@@ -16,10 +16,12 @@ naming the report and the binding that failed (:class:`ReportRefusedError`):
   taken from our digests: a BLOCK edited into a PASS, or a report of
   another checkpoint with its digest fields edited, is refused because its
   events name other content or its tokens disagree;
-- the golden is the one this gate recorded: its SHA-256 is the report's,
-  it is keyed by the candidate's digest and the same settings and vLLM,
-  and its answers begin with the gate's ``auto`` reference answers (the
-  reference stops at EOS, the golden runs on with ``ignore_eos``).
+- the golden is the one this gate recorded: its SHA-256 is the report's
+  (or, for a report run with ``--no-golden`` and a golden recorded beside
+  it, as ``ci/promote_pipeline.sh`` does, the operator names it), it is
+  keyed by the candidate's digest and the same settings and vLLM, and its
+  answers begin with the gate's ``auto`` reference answers (the reference
+  stops at EOS, the golden runs on with ``ignore_eos``).
 
 A forger who rewrites the report, its events, its tokens and the golden
 consistently still meets the canary: the first replica answers with the
@@ -118,11 +120,16 @@ def _rejudge(case: dict[str, Any], digest: str, settings: DeploymentSettings, to
                             f"{v.status} ({'; '.join(v.details) or ', '.join(v.reasons)})")
 
 
-def _golden_path(report: dict[str, Any], path: Path, given: str | os.PathLike[str] | None) -> Path:
+def _golden_path(report: dict[str, Any], path: Path, given: str | os.PathLike[str] | None) -> tuple[Path, str]:
+    """The golden to believe and how it is bound: ``sealed`` (the report names its
+    SHA-256) or ``answers`` (recorded apart, as ci/promote_pipeline.sh does with
+    ``gate --no-golden`` then ``canary record``: bound by its answers alone)."""
     g = report.get("golden") or {}
     if not g.get("recorded"):
-        raise _refuse(path, f"it records no golden ({g.get('note') or 'none'}); run the gate with --report DIR "
-                            "and without --no-golden, or pass --no-gate with --golden")
+        if given:
+            return Path(given), "answers"
+        raise _refuse(path, f"it records no golden ({g.get('note') or 'none'}); name the golden recorded beside it "
+                            "with --golden (the pipeline's OUT/golden.json), or run the gate with --report DIR")
     want = g.get("sha256")
     if not isinstance(want, str) or len(want) != 64:
         raise _refuse(path, "it does not name its golden's SHA-256 (written by an older gate); run the gate again")
@@ -138,7 +145,7 @@ def _golden_path(report: dict[str, Any], path: Path, given: str | os.PathLike[st
                 raise _refuse(path, f"golden {c} is not the one this gate recorded (SHA-256 {got[:16]}, the "
                                     f"report names {want[:16]})")
             continue
-        return c
+        return c, "sealed"
     raise _refuse(path, f"the golden it recorded (SHA-256 {want[:16]}) is not at {', '.join(map(str, candidates))}")
 
 
@@ -213,7 +220,7 @@ def verify_gate_report(where: str | os.PathLike[str], digest: str, settings: Dep
         if case.get("name") == "promotion" and case.get("daemon_digest") != digest:
             raise _refuse(path, f"its daemon held {str(case.get('daemon_digest'))[:16]}, not the candidate")
         _rejudge(case, digest, settings, float(tolerance), path)
-    gpath = _golden_path(report, path, golden)
+    gpath, bound = _golden_path(report, path, golden)
     try:
         g = load_golden(gpath)
     except GoldenError as exc:
@@ -221,4 +228,7 @@ def verify_gate_report(where: str | os.PathLike[str], digest: str, settings: Dep
     _check_golden(g, gpath, report, digest, settings, path)
     notes = [] if "switch_from_base" in names else ["the gate ran without --base: no case showed a daemon "
                                                     "holding the old checkpoint misses on this one"]
+    if bound == "answers":
+        notes.append(f"golden {gpath} was recorded apart from the report: bound by its digest, settings and "
+                     "answers (equal to the gate's auto reference), not by a SHA-256 the report names")
     return GateEvidence(path, gpath, digest, tuple(str(n) for n in names), notes)

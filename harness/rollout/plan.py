@@ -162,7 +162,10 @@ def resolve_state(plan: Plan, sequence: list[Checkpoint], driver: dict[str, obje
     fresh = RolloutState.new(sequence, [replace(r, target=None) for r in state.replicas], plan.settings.to_json(),
                              plan.engine_args, dict(driver))
     fresh.fleet_id = state.fleet_id or state.id
-    fresh.daemons = [d for d in state.daemons if not d.released]
+    from preload.daemon.registry import start_ticks
+
+    # The daemons still there (the same process: pid and start time), for the rotation rule.
+    fresh.daemons = [d for d in state.daemons if not d.released and start_ticks(d.pid) == d.start_ticks]
     for r in fresh.replicas:
         if r.phase != "serving" or r.serving is None:
             r.phase, r.serving = "down", None  # brought up again on --from

