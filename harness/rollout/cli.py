@@ -102,9 +102,15 @@ def run(args: argparse.Namespace) -> int:
     from harness.report.terminal import TerminalProgress
     from harness.rollout.flow import Flow
 
+    from harness.rollout.flow import GateBlockedError
+
     progress = TerminalProgress()  # stderr, also with --json (stdout is the report)
     flow = Flow(args, _engine_args(args), progress)
-    code, doc = flow.run()
+    try:
+        code, doc = flow.run()
+    except GateBlockedError as exc:  # a verdict, not a refusal: exit 1, as the gate's own
+        print(f"preload-gate rollout: BLOCKED: {exc}", file=sys.stderr)
+        return 1
     if doc is not None:
         if args.json:
             print(json.dumps(doc, indent=2))

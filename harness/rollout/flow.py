@@ -48,6 +48,13 @@ def default_state_dir() -> Path:
     return default_cache_dir() / "rollout"
 
 
+def host_lock() -> HostLock:
+    """One rollout per host (per user's cache dir), whatever ``--state-dir`` each names."""
+    from preload.identity.manifest import default_cache_dir
+
+    return HostLock(default_cache_dir() / "rollout.lock")
+
+
 class Flow:
     """One run; :meth:`run` returns ``(exit code, report document or None)``."""
 
@@ -190,11 +197,15 @@ class Flow:
     def run(self) -> tuple[int, dict[str, Any] | None]:
         from harness.rollout.plan import StateError
 
-        if self.args.stop:
-            return self.stop()
+        if self.args.stop or self.args.abort:
+            if not (self.state_dir / "state.json").is_file():  # refused before any directory or lock is made
+                raise StateError(f"--{'stop' if self.args.stop else 'abort'}: no rollout state at "
+                                 f"{self.state_dir / 'state.json'}")
+            if self.args.stop:
+                return self.stop()
         plan = None if self.args.abort else self.plan()
         self._prepare_dirs()
-        with HostLock(self.state_dir.parent / "rollout.lock"):
+        with host_lock():
             existing = load_state(self.state_dir / "state.json")
             if self.args.abort:
                 if existing is None or existing.status != "running":
@@ -266,9 +277,9 @@ class Flow:
         from harness.rollout.residency import release_daemon
 
         path = self.state_dir / "state.json"
-        with HostLock(self.state_dir.parent / "rollout.lock"):
+        with host_lock():
             state = load_state(path)
-            if state is None:
+            if state is None:  # removed since run() looked
                 raise PlanError(f"--stop: no rollout state at {path}")
             driver = self.driver(state)
             for r in state.replicas:

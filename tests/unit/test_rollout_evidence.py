@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rollout_support import OTHER, SETTINGS, D, write_gate
+from rollout_support import BASE, OTHER, SETTINGS, D, write_gate
 
 from harness.rollout.evidence import ReportRefusedError, verify_gate_report
 from preload.deployment import DeploymentSettings
@@ -185,3 +185,61 @@ def test_the_gate_seals_the_golden_it_records(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(golden_mod, "record", lambda ckpt, out, settings=None: Path(out).write_text("{}"))
     got = record_golden(GateOptions(candidate="/m", report_dir=str(tmp_path)), Path("/m"))
     assert got["recorded"] and got["sha256"] == hashlib.sha256(b"{}").hexdigest()
+
+
+# ---------------------------------------------------------------- the gate run here (no --gate-report)
+
+class _GateRun:
+    """What run_gate returns, for a flow test: a report document and its exit code."""
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.doc, self.exit_code, self.error = doc, doc["exit_code"], None
+
+    def to_json(self) -> dict[str, Any]:
+        return self.doc
+
+
+def _flow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocked: bool):
+    import harness.gate as gate
+    from harness.rollout.flow import Flow
+    from preload_gate.cli import build_parser
+
+    for name in ("A", "B"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setenv("PRELOAD_GATE_CACHE", str(tmp_path / "cache"))
+
+    def fake_gate(opts: Any) -> _GateRun:
+        out = write_gate(tmp_path / "run", digest=D)
+        doc = json.loads((out / "report.json").read_text())
+        (Path(opts.report_dir)).mkdir(parents=True, exist_ok=True)
+        (Path(opts.report_dir) / "golden.json").write_bytes((out / "golden.json").read_bytes())
+        doc["golden"]["path"] = str(Path(opts.report_dir) / "golden.json")
+        if blocked:
+            doc.update(verdict="BLOCK", exit_code=1)
+        return _GateRun(doc)
+
+    (tmp_path / "run").mkdir()
+    monkeypatch.setattr(gate, "run_gate", fake_gate)
+    args = build_parser().parse_args(["rollout", "--from", str(tmp_path / "A"), "--to", str(tmp_path / "B"),
+                                      "--replicas", "1", "--port", "9000", "--state-dir", str(tmp_path / "state"),
+                                      "--", "--dtype", "bfloat16", "--max-model-len", "256"])
+    flow = Flow(args, ["--dtype", "bfloat16", "--max-model-len", "256"], None)
+    monkeypatch.setattr(flow, "_digest", lambda path, label, root: BASE if path.endswith("/A") else D)
+    return flow
+
+
+def test_without_a_report_the_gate_runs_here_and_its_report_is_bound(tmp_path: Path, monkeypatch) -> None:
+    flow = _flow(tmp_path, monkeypatch, blocked=False)
+    flow._prepare_dirs()
+    seq = flow.sequence(flow.plan(), str(tmp_path / "sock"))
+    assert seq[1].golden == str(tmp_path / "state" / f"gate-{D[:16]}" / "golden.json")
+    assert flow.evidence and flow.evidence[0]["digest"] == D
+
+
+def test_a_gate_that_blocks_here_ends_the_rollout_with_exit_1(tmp_path: Path, monkeypatch) -> None:
+    from harness.rollout.flow import GateBlockedError
+
+    flow = _flow(tmp_path, monkeypatch, blocked=True)
+    flow._prepare_dirs()
+    with pytest.raises(GateBlockedError, match="the gate BLOCKED B"):
+        flow.sequence(flow.plan(), str(tmp_path / "sock"))

@@ -207,3 +207,38 @@ def test_a_replica_that_did_not_restart_is_no_load_event(tmp_path: Path, monkeyp
         assert wait_serving(d, rec, Target("/m/B", B, "B", "/r"), seen=1, timeout_s=5)[0]["daemon_digest"] == B
     finally:
         fake.close()
+
+
+# ---------------------------------------------------------------- the verb's refusals
+
+@pytest.mark.parametrize(("args", "why"), [
+    (["--to", "{B}", "--replicas", "2", "--port", "9000"], "name the checkpoints: --from CURRENT --to NEW"),
+    (["--from", "{A}", "--to", "{A}", "--replicas", "2", "--port", "9000"], "follows itself in the sequence"),
+    (["--from", "{A}", "--to", "{B}", "--replicas", "2", "--port", "9000", "--", "--port", "1"],
+     "engine argument --port is set by the rollout"),
+    (["--from", "{A}", "--to", "{B}", "--replica-url", "http://h:1", "--restart-command", "restart {n}"],
+     "unknown placeholder {n}"),
+    (["--from", "{A}", "--to", "/no/such", "--replicas", "2", "--port", "9000"], "--to /no/such is not a directory"),
+    (["--from", "{A}", "--to", "{B}", "--replicas", "2", "--port", "9000", "--no-gate", "--gate-report", "x"],
+     "contradict each other"),
+    (["--from", "{A}", "--to", "{B}", "--replicas", "2", "--port", "9000", "--unsafe-identity", "header_only"],
+     "negative control for tests only"),
+    (["--abort"], "--abort: no rollout state at"),
+    (["--stop"], "--stop: no rollout state at"),
+])
+def test_the_verb_refuses_in_one_line_and_makes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str], args, why) -> None:
+    from preload_gate.cli import main
+
+    for name in ("A", "B"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"")
+    cache, state_dir = tmp_path / "cache", tmp_path / "state"
+    monkeypatch.setenv("PRELOAD_GATE_CACHE", str(cache))
+    monkeypatch.delenv("PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS", raising=False)
+    argv = ["rollout", "--state-dir", str(state_dir),
+            *(a.format(A=tmp_path / "A", B=tmp_path / "B") if "{" in a and "{n}" not in a else a for a in args)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("preload-gate rollout: error: ") and why in err[0], err
+    assert not state_dir.exists() and not cache.exists()
