@@ -100,9 +100,7 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from harness.report.terminal import TerminalProgress
-    from harness.rollout.flow import Flow
-
-    from harness.rollout.flow import GateBlockedError
+    from harness.rollout.flow import Flow, GateBlockedError
 
     progress = TerminalProgress()  # stderr, also with --json (stdout is the report)
     flow = Flow(args, _engine_args(args), progress)
