@@ -277,3 +277,20 @@ def test_abort_rolls_an_unfinished_rollout_back(scene) -> None:
                       for L, k in (("A", KEYS["A"]), ("B", KEYS["B"]))}
     assert s.rollout().run() == 1
     assert s.serving() == ["A", "A"] and "aborted" in load_state(s.opts.state_path).failure["reason"]
+
+
+def test_killed_during_bring_up_then_run_again_waits_for_the_started_replicas(scene) -> None:
+    s = scene()
+
+    def kill(state: RolloutState) -> None:
+        if all(r.phase == "starting" and r.started_onto == KEYS["A"] for r in state.replicas):
+            s.hooks.clear()
+            raise Killed()
+    s.hooks.append(kill)
+    with pytest.raises(Killed):
+        s.rollout().run()
+    st = load_state(s.opts.state_path)
+    assert st is not None and [r.phase for r in st.replicas] == ["starting", "starting"]  # A or nothing: not unknown
+    again = FakeDriver(s.driver.replicas, s.goldens, {}, restarts=[])
+    assert s.rollout(st, again).run() == 0
+    assert again.restarts == [(0, "B"), (1, "B")] and s.serving() == ["B", "B"]
