@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from pgbase.cliargs import nonnegative_float, nonnegative_int, port, positive_float, positive_int
@@ -102,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
     from harness.report.terminal import TerminalProgress
     from harness.rollout.flow import Flow, GateBlockedError
 
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):
+        # One line per canary request from the HTTP client would bury the progress lines.
+        for name in ("httpx", "httpx2", "openai"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     progress = TerminalProgress()  # stderr, also with --json (stdout is the report)
     flow = Flow(args, _engine_args(args), progress)
     try:
