@@ -17,8 +17,8 @@ passing (:func:`harness.rollout.switch.switch`, the rollout's own step):
 
 Seven server starts; minutes on two cores. Figures are per-replica switch
 seconds (anchor / ours) and rollback seconds (anchor / ours); the whole
-rollout's seconds, every switch's phases (restart, ready, canary) and the
-machine's load average go in ``details``.
+rollout's seconds, every timed switch's phases (restart, ready, canary;
+the anchors' too) and the machine's load average go in ``details``.
 """
 
 from __future__ import annotations
@@ -97,10 +97,10 @@ def rollout_switch(options: BenchOptions) -> list[BenchResult]:
             save_state(opts.state_path, state)
 
         r0 = records[0]
-        anchor_switch = _timed(switch(driver, r0, target(seq[1], "auto"), goldens[seq[1].key], opts.switch, saved),
-                               "auto switch onto B")
-        anchor_rollback = _timed(switch(driver, r0, target(seq[0], "auto"), goldens[seq[0].key], opts.switch, saved),
-                                 "auto reload of A")
+        onto_b = switch(driver, r0, target(seq[1], "auto"), goldens[seq[1].key], opts.switch, saved)
+        anchor_switch = _timed(onto_b, "auto switch onto B")
+        onto_a = switch(driver, r0, target(seq[0], "auto"), goldens[seq[0].key], opts.switch, saved)
+        anchor_rollback = _timed(onto_a, "auto reload of A")
         t0 = time.monotonic()
         if ro.run() != 0:
             raise BenchError(f"the rollout A -> B failed: {state.failure}")
@@ -110,7 +110,9 @@ def rollout_switch(options: BenchOptions) -> list[BenchResult]:
         ours_rollback = _timed(hit, "rollback onto resident A")
         if not all(e.get("outcome") == "hit" for e in hit.events):
             raise BenchError(f"the rollback onto resident A did not hit: {hit.events}")
-        switches = state.switches
+        # every timed switch with its phases (restart, ready, canary), named by the figure it makes
+        switches = [{"timed": "anchor_switch", **onto_b.to_json()}, {"timed": "anchor_rollback", **onto_a.to_json()},
+                    *({"timed": "ours_switch", **x} for x in state.switches), {"timed": "ours_rollback", **hit.to_json()}]
     finally:
         for r in records:
             if driver is not None:
