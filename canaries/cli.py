@@ -20,6 +20,7 @@ from pgbase.cliargs import (
     positive_float,
     positive_int,
 )
+from pgbase.survivor import hold
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -80,6 +81,7 @@ def _record(args: argparse.Namespace) -> int:
     settings = from_args(args)
     prompts = load_prompts(args.prompts) if args.prompts else None  # read-only: before the --out probe
     _preflight_record(args.model, args.out, settings.to_json())
+    hold("canary record")  # the recording engine ends with us, kill -9 included
     golden = record(
         args.model, args.out, prompts=prompts, max_tokens=args.max_tokens, top_logprobs=args.top_logprobs,
         timeout_s=args.timeout, settings=settings,

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from pgbase.cliargs import positive_float, positive_int
+from pgbase.survivor import hold
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -79,6 +80,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise BenchError("--skip-heavy applies when no --only is given; name the rows you want instead")
     check_request(options, only, skip_heavy=args.skip_heavy)  # rows and --param values, before any directory
     check_output_dirs({"--out": args.out, "--workdir": args.workdir})  # before the rows run, not after
+    hold("bench")  # what the rows start (daemons, FUSE mounts, servers) ends with us, kill -9 included
     results = run_rows(options, only, skip_heavy=args.skip_heavy)
     doc = {"results": [r.to_json() for r in results]}
     table = markdown(results)
@@ -150,6 +152,7 @@ def _gate(args: argparse.Namespace) -> int:
     settings = DeploymentSettings(**stated) if args.mutations is None else None
 
     unwind_on_signals("gate")
+    hold("gate")  # its engines, daemons and prepare children end with it, kill -9 included
     report = run_gate(GateOptions(
         candidate=args.candidate, base=args.base, target=args.target, mutations=args.mutations,
         report_dir=args.report, workdir=args.workdir, reference_cache=args.reference_cache,
@@ -187,6 +190,7 @@ def _demo(args: argparse.Namespace) -> int:
     from harness.engine import unwind_on_signals
 
     unwind_on_signals("demo")
+    hold("demo")
     return run_demo(model=args.model, report_dir=args.report, mutations=args.mutations, jobs=args.jobs,
                     workdir=args.workdir, reference_cache=args.reference_cache, run_tp=args.run_tp,
                     engine_timeout_s=args.engine_timeout,

@@ -12,7 +12,9 @@ One module per concern, each importable without torch or vLLM:
 - :mod:`pgbase.digest_text`: the one reader of a SHA-256 digest handed to
   us as text (a flag, a config key, a manifest, a golden, a reply);
 - :mod:`pgbase.procs`: stopping a child's whole process group (SIGTERM,
-  wait, SIGKILL, reap the leader).
+  wait, SIGKILL, reap the leader);
+- :mod:`pgbase.survivor`: what bench, gate, demo and canary record start
+  (processes, FUSE mounts) ends with them, ``kill -9`` included.
 
 ``fixtures`` and ``preload`` stand on this package; it imports neither
 (tests/unit/test_import_graph.py holds the arrows).

@@ -13,7 +13,9 @@ wait together, as on a storage server that serves them concurrently.
 Needs root (``mount(2)`` of FUSE without fusermount) and ``/dev/fuse``;
 otherwise entering raises :class:`FuseUnavailableError` saying which. A
 ``with`` block that never ends (its process killed by SIGKILL) leaves
-nothing behind: the server sees its control pipe close, unmounts and exits.
+nothing behind: the server sees its control pipe close, unmounts and exits;
+and the mount's source names the bench's holder, whose survivor unmounts it
+even when the server was killed too (:mod:`pgbase.survivor`).
 
 >>> fs = FuseFS("/models/m", latency_s=0.05)  # doctest: +SKIP
 >>> with fs as mnt:  # doctest: +SKIP
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.bench.fuse_server import FSTYPE, mounted, umount
+from pgbase.survivor import mount_source
 
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV = 1, 2, 4
 _SERVER = Path(__file__).with_name("fuse_server.py")
@@ -104,7 +107,8 @@ class FuseFS:
         # attributes (a GETATTR, attr_valid being 0) before walking through it,
         # a second round trip in series with every stat's own.
         opts = f"fd={fd},rootmode=40000,user_id=0,group_id=0,allow_other,max_read=131072"
-        if _libc().mount(b"pgbench", os.fsencode(mp), FSTYPE.encode(), _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
+        # The source names our holder: its survivor unmounts what a kill -9 left (pgbase.survivor).
+        if _libc().mount(mount_source("pgbench").encode(), os.fsencode(mp), FSTYPE.encode(), _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
                          opts.encode()) != 0:
             err = ctypes.get_errno()
             raise FuseUnavailableError(f"mount(2) of {FSTYPE} on {mp} refused: {os.strerror(err)}")
