@@ -349,7 +349,7 @@ def _key_text(key: dict[str, Any] | None) -> str:
     parts = [f"tp {key.get('tp_rank')}/{key.get('tp_size')} pp {key.get('pp_rank')}/{key.get('pp_size')} "
              f"dp {key.get('dp_rank')}/{key.get('dp_size')}"]
     for f in dataclasses.fields(WeightCacheKey):
-        value = key.get(f.name)
+        value = key.get(f.name, f.default)  # fields sent only when set are absent at their default
         if f.name in shown or value == f.default:
             continue
         text = short_digest(value) if isinstance(value, str) and f.name.endswith("_digest") else value

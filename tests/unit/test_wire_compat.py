@@ -201,3 +201,17 @@ def test_a_version_1_hello_is_refused_by_name() -> None:
     with pytest.raises(ProtocolError, match="protocol version 1 is not 2; run the daemon and the engine"):
         protocol.check_version(body["protocol"])
     protocol.check_version(_received(FRAMES["hello"]).body["protocol"])  # control: the current one passes
+
+
+def test_status_shows_no_field_that_travels_only_when_set_at_its_default() -> None:
+    """The key as it comes back (:meth:`WeightCacheKey.to_json`) lacks the
+    fields sent only when set; status's key line names none of them, and
+    names one that is set (was: ``model_impl=None runner_type=None ...``)."""
+    import dataclasses
+
+    from preload.daemon.status import _key_text
+    from preload.identity.key import SENT_WHEN_SET
+
+    text = _key_text(KEY.to_json())
+    assert not [n for n in SENT_WHEN_SET if f"{n}=" in text], text
+    assert "model_impl=transformers" in _key_text(dataclasses.replace(KEY, model_impl="transformers").to_json())
