@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -108,6 +109,17 @@ def process_gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def starter_line(proc: subprocess.Popen, bound: float) -> str:
+    """The next line a starter process prints on its stdout pipe (stripped),
+    within ``bound`` seconds; fails the test naming which did not come."""
+    assert proc.stdout is not None
+    r, _, _ = select.select([proc.stdout], [], [], bound)
+    assert r, "the starter printed nothing"
+    line = proc.stdout.readline()
+    assert line, f"the starter exited (rc {proc.wait()})"
+    return line.strip()
 
 
 def wait_for(cond, bound: float) -> bool:

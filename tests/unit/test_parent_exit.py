@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon_support import REPO, process_gone, repo_pythonpath, short_dir, wait_for
+from daemon_support import REPO, process_gone, repo_pythonpath, short_dir, starter_line, wait_for
 
 from preload.daemon.lock import socket_answers
 from preload.promote import promote
@@ -45,12 +44,7 @@ STARTER = textwrap.dedent("""
 
 
 def _read_line(proc: subprocess.Popen, bound: float = BOUND_S) -> dict:
-    assert proc.stdout is not None
-    r, _, _ = select.select([proc.stdout], [], [], bound)
-    assert r, "the starter printed nothing"
-    line = proc.stdout.readline()
-    assert line, f"the starter exited (rc {proc.wait()})"
-    return json.loads(line)
+    return json.loads(starter_line(proc, bound))
 
 
 def _env(cache: Path) -> dict[str, str]:

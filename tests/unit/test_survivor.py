@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import ast
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -38,7 +37,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from daemon_support import REPO, repo_pythonpath, wait_for
+from daemon_support import REPO, repo_pythonpath, starter_line, wait_for
 from reliability_support import skip_privileged
 
 from pgbase import survivor
@@ -129,12 +128,7 @@ def _standins(tmp_path: Path) -> Path:
 
 
 def _readline(proc: subprocess.Popen, bound: float = BOUND_S) -> str:
-    assert proc.stdout is not None
-    r, _, _ = select.select([proc.stdout], [], [], bound)
-    assert r, "the starter printed nothing"
-    line = proc.stdout.readline()
-    assert line, f"the starter exited (rc {proc.wait()})"
-    return line.strip()
+    return starter_line(proc, bound)
 
 
 @pytest.fixture
