@@ -30,6 +30,9 @@ Fixtures (session-scoped: one daemon and two engine starts per session):
   differing prompt and position, both tokens decoded, and the load events.
 
 Importing this module does not import vLLM; engines run in subprocesses.
+The first of these fixtures a session uses makes pytest a holder
+(:mod:`pgbase.survivor`): the daemon, the engines and whatever else the
+session starts from then on end with pytest, ``kill -9`` included.
 """
 
 from __future__ import annotations
@@ -120,6 +123,9 @@ def preload_gate_prompts() -> tuple[str, ...]:
 
 @pytest.fixture(scope="session")
 def _preload_gate_workdir() -> Iterator[Path]:
+    from pgbase.survivor import hold
+
+    hold("pytest plugin")  # every fixture below starts its processes after this one
     d = Path(tempfile.mkdtemp(prefix="pg-plugin-"))
     os.chmod(d, 0o700)
     yield d

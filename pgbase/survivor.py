@@ -1,6 +1,7 @@
 """What a verb starts ends with it, ``kill -9`` included: the survivor.
 
-``preload-gate bench``, ``gate``, ``demo`` and ``canary record`` start
+``preload-gate bench``, ``gate``, ``demo``, ``canary record`` and the pytest
+plugin's fixtures (:mod:`harness.pytest_plugin`) start
 processes (daemons, engines, vLLM servers and their engine cores, replicas,
 ``sha256sum``...) and mount FUSE filesystems; a verb killed with SIGKILL
 runs none of its clean-up. Each calls :func:`hold` before its work: that
