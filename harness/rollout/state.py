@@ -241,7 +241,7 @@ class HostLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            pid, since = read_holder(fd)
+            pid, since, _ = read_holder(fd)
             os.close(fd)
             when = time.strftime("%H:%M:%S", time.localtime(since)) if since else "an unknown time"
             raise RolloutLockedError(

@@ -283,7 +283,7 @@ def test_refuses_bytes_that_do_not_hash_to_the_promoted_digest(tiny_ckpt, tmp_pa
     try:
         # The write changed the shard's stat: the manifest is stale, refused before a byte is read.
         stale = spawn(Daemon(ckpt, root, cache)).start(expect_ready=False)
-        assert stale.proc.returncode == 2 and f"is stale: {shard.name} changed" in stale.output
+        assert stale.proc.returncode == 2 and f"is stale: shard {shard.name} changed" in stale.output
         # Pinned to the promoted digest (no stat check), the bytes themselves are refused.
         d = spawn(Daemon(ckpt, root, cache, ("--stage", "raw", "--expect-digest", promoted.digest)))
         d.start(expect_ready=False)

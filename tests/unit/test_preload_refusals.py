@@ -83,7 +83,7 @@ def test_dry_run_refuses_a_stale_manifest_with_the_real_starts_line(promoted) ->
     st = os.stat(shard)
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched: the same bytes, a new stat
     line = _one_line(_cli(env, *argv, "--dry-run"))
-    assert f"is stale: {shard.name} changed (mtime_ns, ctime_ns)" in line, line
+    assert f"is stale: shard {shard.name} changed (mtime_ns, ctime_ns)" in line, line
     assert f"run: preload-gate promote {ckpt} --cache-dir {cache}" in line, line
     with pytest.raises(StaleManifestError) as engine:  # what an engine's stat check says
         resolve_digest(ckpt, "stat", cache_dir=cache)
