@@ -30,6 +30,7 @@ from pgbase.errors import (
     ProtocolError,
     WeightCacheUnavailableError,
 )
+from pgbase.oscause import reason
 from preload.events import LoadEvent, emit
 from preload.loader import misses, resident
 from preload.loader.misses import Miss
@@ -134,7 +135,8 @@ class VerifiedCacheLoader(BaseModelLoader):
                 # (a bug, a library error) keeps its traceback for a report.
                 log.warning("preload-gate: the cache could not be used: %s: %s", type(exc).__name__, exc,
                             exc_info=not isinstance(exc, PreloadGateError))
-                event.outcome, event.reason = "error", f"{type(exc).__name__}: {exc}"
+                event.outcome, event.reason = "error", (f"{type(exc).__name__}: {exc}"
+                                                        if isinstance(exc, PreloadGateError) else reason(exc))
                 cause = exc
             else:
                 event.outcome, event.reason, event.source = "hit", "daemon served the key", "daemon"
@@ -227,7 +229,7 @@ class VerifiedCacheLoader(BaseModelLoader):
                     raise Miss("error", f"attach failed: {exc}", cause=exc) from exc
                 except Exception as exc:
                     log.exception("attaching the daemon's weights failed")
-                    raise Miss("error", f"attach failed: {type(exc).__name__}: {exc}", cause=exc) from exc
+                    raise Miss("error", f"attach failed: {reason(exc)}", cause=exc) from exc
             finally:
                 state.close()  # descriptors not yet handed to attach (a no-op after it)
             event.tensors, event.bytes = len(state.layout.entries), state.layout.total_bytes
