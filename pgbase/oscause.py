@@ -153,8 +153,8 @@ def _by_errno(code: int, path: str | os.PathLike[str] | None, exc: BaseException
         return Cause(READ_ONLY, code, f"{'the filesystem' if path is None else str(path)} is on a read-only "
                      "filesystem")
     if code == errno.EIO:
-        return Cause(IO, code, "an I/O error from the storage (the device or the network filesystem failed; "
-                     "the kernel log, dmesg, says more)")
+        return Cause(IO, code, f"{os.strerror(code)} from the storage (the device or the network filesystem "
+                     "failed; the kernel log, dmesg, says more)")
     return Cause(OTHER, code, os.strerror(code) if not str(exc) or isinstance(exc, OSError) else _said(exc))
 
 

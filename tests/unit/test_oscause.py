@@ -180,7 +180,7 @@ SHAPES = [
     ("a directory mapped", OSError("No such device (os error 19)"), "/", oscause.NOT_A_FILE, ["a directory"]),
     ("ENOSPC", OSError(errno.ENOSPC, "No space left on device"), None, oscause.NO_SPACE, ["free space"]),
     ("EROFS", OSError(errno.EROFS, "Read-only file system"), "/x", oscause.READ_ONLY, ["read-only"]),
-    ("EIO", OSError(errno.EIO, "Input/output error"), None, oscause.IO, ["I/O error", "dmesg"]),
+    ("EIO", OSError(errno.EIO, "Input/output error"), None, oscause.IO, ["Input/output error from the storage", "dmesg"]),
     ("a library error that is no OS error", ValueError("header too large"), "/", oscause.OTHER,
      ["header too large"]),
 ]
