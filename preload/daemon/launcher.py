@@ -221,7 +221,8 @@ def preflight(opts: PreloadOptions) -> None:
     ranks = [p.global_rank for p in plan_local_ranks(opts.parallel)]
     preflight_daemon(opts.checkpoint, opts.socket_root, ranks, digest, opts.health_host, opts.health_port,
                      dtype=str(opts.engine.get("dtype") or "auto"), tp_size=opts.parallel.tp_size,
-                     pp_size=opts.parallel.pp_size, transport=opts.transport, engine=opts.engine)
+                     pp_size=opts.parallel.pp_size, transport=opts.transport, engine=opts.engine,
+                     stage=opts.stage)
 
 
 def run(opts: PreloadOptions, out: Any = None) -> int:
