@@ -39,7 +39,7 @@ def _taken():
 def limit_to(give, hard_extra=0):
     # hard_extra None: the hard limit stays (an unprivileged process cannot raise it back)
     taken, soft, free = _taken(), 0, 0
-    while free < give:
+    while free < give or soft in taken:  # through the taken numbers after the last free one
         free += soft not in taken
         soft += 1
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1] if hard_extra is None else soft + hard_extra
