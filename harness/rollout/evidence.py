@@ -172,18 +172,18 @@ def _check_golden(golden: Golden, gpath: Path, report: dict[str, Any], digest: s
                                 f"{i}): the golden was not recorded from this candidate")
 
 
-def verify_gate_report(where: str | os.PathLike[str], digest: str, settings: DeploymentSettings,
-                       golden: str | os.PathLike[str] | None = None) -> GateEvidence:
-    """Check the gate report at ``where`` (its directory or report.json) against
-    ``digest`` (the candidate's content digest, computed by the caller) and
-    the deployment ``settings``; ``golden``: a golden file the operator
-    names (it must be the report's). Returns the evidence, or raises
-    :class:`ReportRefusedError` naming the first binding that fails."""
+def read_gate_report(where: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
+    """The gate report at ``where`` (its directory or report.json), read and
+    checked for what needs no checkpoint: a passing promotion gate of our
+    cache, no negative controls, this host's vLLM, the gate's tolerance.
+    Returns its path and content; raises :class:`ReportRefusedError`.
+    A rollout runs this before anything is hashed."""
     path = _report_path(where)
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise ReportRefusedError(f"cannot read gate report {path}: {exc.strerror or exc}") from None
+        raise ReportRefusedError(f"cannot read gate report {path}: {exc.strerror or exc}; give the --report DIR "
+                                 "of the candidate's passing `preload-gate gate CANDIDATE --report DIR`") from None
     except ValueError as exc:
         raise _refuse(path, f"not JSON ({exc})") from None
     if not isinstance(report, dict) or report.get("tool") != "preload-gate" or not isinstance(report.get("cases"), list):
@@ -207,6 +207,19 @@ def verify_gate_report(where: str | os.PathLike[str], digest: str, settings: Dep
     names = [c.get("name") for c in report["cases"] if isinstance(c, dict)]
     if "promotion" not in names or len(names) != len(report["cases"]):
         raise _refuse(path, "it holds no promotion case")
+    return path, report
+
+
+def verify_gate_report(where: str | os.PathLike[str], digest: str, settings: DeploymentSettings,
+                       golden: str | os.PathLike[str] | None = None) -> GateEvidence:
+    """Check the gate report at ``where`` (its directory or report.json) against
+    ``digest`` (the candidate's content digest, computed by the caller) and
+    the deployment ``settings``; ``golden``: a golden file the operator
+    names (it must be the report's). Returns the evidence, or raises
+    :class:`ReportRefusedError` naming the first binding that fails."""
+    path, report = read_gate_report(where)
+    tolerance = report["logprob_tolerance"]
+    names = [c.get("name") for c in report["cases"]]
     for case in report["cases"]:
         if case.get("status") != PASS:
             raise _refuse(path, f"case {case.get('name')!r} is {case.get('status')}, not PASS")

@@ -21,6 +21,7 @@ from harness.rollout.plan import (
     PlanError,
     check_checkpoints,
     check_engine_args,
+    check_evidence_files,
     check_golden,
     per_target,
     replica_urls,
@@ -89,9 +90,11 @@ class Flow:
 
             require_unsafe_controls("--unsafe-identity")
         from_ckpt, to = check_checkpoints(a.from_ckpt, a.to)
-        return Plan(from_ckpt, to, urls, self.engine_args, settings, self.state_dir,
+        plan = Plan(from_ckpt, to, urls, self.engine_args, settings, self.state_dir,
                     gate_reports=per_target(a.gate_report, len(to), "--gate-report"),
                     goldens=per_target(a.golden, len(to), "--golden"), from_golden=a.from_golden, no_gate=a.no_gate)
+        check_evidence_files(plan)
+        return plan
 
     def _prepare_dirs(self) -> None:
         from preload.trust import ensure_private_dir

@@ -130,6 +130,22 @@ def check_golden(path: str, digest: str, checkpoint: str, settings: DeploymentSe
     check_fit(g, {k: v for k, v in settings.to_json().items()}, checkpoint)
 
 
+def check_evidence_files(plan: Plan) -> None:
+    """Each ``--gate-report`` and golden read and checked as far as it goes
+    without the checkpoints' digests, before anything is hashed: a missing
+    or malformed file is refused here, not after both checkpoints were
+    promoted (raises ReportRefusedError, GoldenError: exit 2)."""
+    from canaries.golden import load_golden
+    from harness.rollout.evidence import read_gate_report
+
+    for report in plan.gate_reports:
+        if report is not None:
+            read_gate_report(report)
+    for golden in [*plan.goldens, plan.from_golden]:
+        if golden is not None:
+            load_golden(golden)
+
+
 def _same_plan(state: RolloutState, sequence: list[Checkpoint], urls: list[str]) -> bool:
     return [c.key for c in state.sequence] == [c.key for c in sequence] and [r.url for r in state.replicas] == urls
 
@@ -175,4 +191,4 @@ def resolve_state(plan: Plan, sequence: list[Checkpoint], driver: dict[str, obje
 
 
 __all__ = ["OWNED_ARGS", "Plan", "PlanError", "StateError", "check_checkpoints", "check_engine_args",
-           "check_golden", "per_target", "replica_urls", "resolve_state"]
+           "check_evidence_files", "check_golden", "per_target", "replica_urls", "resolve_state"]
