@@ -76,8 +76,11 @@ class WriteError(PreloadGateError, OSError):
     """
 
     def __init__(self, path: str, cause: OSError) -> None:
+        from pgbase.oscause import describe
+
         super().__init__(cause.errno, cause.strerror or str(cause), path)
         self.path = path
+        self.why = describe(cause, path)  # now, while the cause (a full disk, the fd limit) holds
 
     def __str__(self) -> str:
-        return f"cannot write {self.path}: {self.strerror}; the previous file is unchanged"
+        return f"cannot write {self.path}: {self.why}; the previous file is unchanged"

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pgbase.errors import CheckpointError
+from pgbase.oscause import reason
 
 HF_INDEX = "model.safetensors.index.json"
 MISTRAL_INDEX = "consolidated.safetensors.index.json"
@@ -75,7 +76,7 @@ def vllm_selection(checkpoint: str | os.PathLike[str], load_format: str = "auto"
     try:
         hf_folder, files, use_st, index = loader._prepare_weights(folder, None, None, True, None)
     except (RuntimeError, FileNotFoundError, OSError, ValueError, KeyError, TypeError) as exc:
-        raise SelectionError(f"vLLM cannot pick weight files in {folder}: {type(exc).__name__}: {exc}") from exc
+        raise SelectionError(f"vLLM cannot pick weight files in {folder}: {reason(exc)}") from exc
     return FileSet(Path(hf_folder), _sorted_names(files), bool(use_st), index,
                    f"vllm {vllm_version} DefaultModelLoader._prepare_weights")
 
@@ -127,7 +128,7 @@ def mirror_selection(checkpoint: str | os.PathLike[str], load_format: str = "aut
                     weight_map = json.load(f)["weight_map"]
                 wanted = {os.path.join(folder, weight_map[k]) for k in weight_map}
             except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise SelectionError(f"vLLM cannot pick weight files in {folder}: {type(exc).__name__}: {exc}") from exc
+                raise SelectionError(f"vLLM cannot pick weight files in {folder}: {reason(exc, index_path)}") from exc
             missing = wanted - set(files)
             if missing:
                 raise SelectionError(f"vLLM cannot pick weight files in {folder}: FileNotFoundError: "

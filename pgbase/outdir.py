@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from pgbase.errors import PreflightError
+from pgbase.oscause import describe
 
 
 def nearest_existing(path: str | os.PathLike[str]) -> Path:
@@ -61,7 +62,7 @@ def _probe(path: str | os.PathLike[str], probe: Path, flag: str) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".preload-gate-probe-", dir=probe))
     except OSError as exc:
         raise PreflightError(f"{flag} {path} cannot be written: making a directory in {probe} failed "
-                             f"({exc.strerror or exc}); choose a writable {flag} directory") from exc
+                             f"({describe(exc, probe)}); choose a writable {flag} directory") from exc
 
 
 def check_output_dirs(dirs: dict[str, str | os.PathLike[str] | None]) -> None:

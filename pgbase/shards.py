@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pgbase.errors import CheckpointError
 from pgbase.fileset import select_files, servable
+from pgbase.oscause import describe, explain
 from pgbase.outdir import nearest_existing
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -105,8 +106,10 @@ def read_header(path: str | os.PathLike[str]) -> ShardHeader:
             size = os.fstat(f.fileno()).st_size
             (header_len,) = struct.unpack("<Q", f.read(8))
             raw = f.read(header_len)
-    except (OSError, struct.error) as exc:
-        raise CheckpointError(f"cannot read shard: {getattr(exc, 'strerror', None) or exc}", name) from exc
+    except OSError as exc:
+        raise CheckpointError(f"cannot read shard: {describe(exc, p)}", name) from exc
+    except struct.error as exc:
+        raise CheckpointError(f"cannot read shard: {exc}", name) from exc
     return parse_accepted(name, str(p), size, header_len, raw, library)
 
 
@@ -130,9 +133,11 @@ def library_view(path: str | os.PathLike[str], name: str) -> LibraryView:
                 sl = f.get_slice(k)
                 tensors[k] = (str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape()))
             metadata = dict(f.metadata() or {})
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"cannot read shard: {exc.strerror or exc}", name) from exc
-    except Exception as exc:  # SafetensorError and friends: the library's verdict
+    except Exception as exc:  # SafetensorError and friends: the library's verdict, unless the OS said no
+        cause = explain(exc, path)
+        if isinstance(exc, (OSError, MemoryError)) or cause.errno is not None:
+            # safetensors words EMFILE and EACCES as "No such file", a failed mmap as MemoryError.
+            raise CheckpointError(f"cannot read shard: {cause.text}", name) from exc
         import safetensors
 
         msg = " ".join(str(exc).split()) or type(exc).__name__

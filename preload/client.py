@@ -19,6 +19,7 @@ from typing import Any
 
 from pgbase.digest_text import parse_digest
 from pgbase.errors import CacheKeyMismatchError, ProtocolError, WeightCacheUnavailableError
+from pgbase.oscause import describe
 from preload import protocol
 from preload.identity.key import WeightCacheKey
 from preload.sockets import socket_path, verify_socket
@@ -85,13 +86,16 @@ class DaemonClient:
     ) -> DaemonClient:
         path = socket_path(directory, global_rank)
         verify_socket(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:  # the engine at its open-file limit: say so, not "no daemon"
+            raise WeightCacheUnavailableError(f"cannot connect to the daemon at {path}: {describe(exc)}") from exc
         sock.settimeout(timeout_s)
         try:
             sock.connect(str(path))
         except OSError as exc:
             sock.close()
-            raise WeightCacheUnavailableError(f"no daemon answers at {path}: {exc.strerror or exc}") from exc
+            raise WeightCacheUnavailableError(f"no daemon answers at {path}: {describe(exc)}") from exc
         c = cls(sock, path, deadline_s)
         try:
             c.hello = c.request(protocol.hello_request(client, os.getpid()))
@@ -112,7 +116,7 @@ class DaemonClient:
             protocol.send_frame(self.sock, body, (), self.deadline_s)
             frame = protocol.recv_frame(self.sock, self.deadline_s, idle_s=self.deadline_s)
         except OSError as exc:
-            raise WeightCacheUnavailableError(f"daemon at {self.path} dropped the connection: {exc}") from exc
+            raise WeightCacheUnavailableError(f"daemon at {self.path} dropped the connection: {describe(exc)}") from exc
         if frame is None:
             raise WeightCacheUnavailableError(f"daemon at {self.path} closed the connection")
         return frame

@@ -18,6 +18,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pgbase.oscause import describe
 from preload.trust import UntrustedPathError, open_own_file
 
 log = logging.getLogger("preload.load")
@@ -153,7 +154,7 @@ def emit(event: LoadEvent, events_file: str | None = None, loud: bool | None = N
         except OSError as exc:
             written = False
             _log(logging.WARNING, "preload-gate: cannot write the load event to %s (%s); the load itself "
-                 "is unaffected; fix the events_file path", path, exc.strerror or exc)
+                 "is unaffected; fix the events_file path", path, describe(exc, path))
     if loud is None:
         loud = event.outcome != "hit"
     _log(logging.WARNING if loud else logging.INFO, "%s %s", LOG_PREFIX, line)

@@ -27,8 +27,10 @@ from pathlib import Path
 
 from pgbase.digest_text import SHORT_CHARS
 from pgbase.errors import PreflightError, PreloadGateError
+from pgbase.limits import gib
+from pgbase.oscause import MEMORY, OPEN_FILES, SYSTEM_FILES, describe, explain
 from pgbase.outdir import check_output_dir, check_output_dirs, nearest_existing
-from pgbase.shards import not_a_directory
+from pgbase.shards import not_a_directory, shard_paths
 from preload import trust
 from preload.preflight_vllm import (
     VLLM_DTYPES,
@@ -85,7 +87,7 @@ def check_socket_root(root: str | os.PathLike[str], ranks: Iterable[int] = (0,),
             os.rmdir(tempfile.mkdtemp(prefix=".preload-gate-probe-", dir=parent))
         except OSError as exc:
             raise PreflightError(f"cannot create the socket root {r}: making a directory in {parent} failed "
-                                 f"({exc.strerror or exc}); choose a writable --socket-root") from None
+                                 f"({describe(exc, parent)}); choose a writable --socket-root") from None
 
 
 def rank_lock_holders(socket_dir: str | os.PathLike[str], ranks: Iterable[int]) -> dict[int, str]:
@@ -106,7 +108,10 @@ def rank_lock_holders(socket_dir: str | os.PathLike[str], ranks: Iterable[int]) 
         except LockFileError as exc:
             raise PreflightError(str(exc)) from None
         except OSError as exc:
-            raise PreflightError(f"cannot open the rank lock {path}: {exc.strerror}; remove it") from exc
+            cause = explain(exc, path)
+            # A broken lock file is removed; a limit of this process's is raised instead.
+            fix = "" if cause.kind in (OPEN_FILES, SYSTEM_FILES, MEMORY) else "; remove it"
+            raise PreflightError(f"cannot open the rank lock {path}: {cause.text}{fix}") from exc
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -136,7 +141,10 @@ def check_port(host: str, port: int) -> None:
     except socket.gaierror as exc:
         raise PreflightError(f"--health-host {host} does not resolve: {exc.strerror}") from exc
     family, _, _, _, addr = infos[0]
-    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise PreflightError(f"cannot open a socket to probe --health-port {port}: {describe(exc)}") from exc
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server does
         s.bind(addr)
@@ -144,7 +152,7 @@ def check_port(host: str, port: int) -> None:
         if exc.errno == errno.EADDRINUSE:
             raise PreflightError(f"--health-port {port} on {host} is already in use; choose another "
                                  f"port or stop what holds it (ss -ltnp 'sport = :{port}')") from exc
-        raise PreflightError(f"cannot bind --health-port {port} on {host}: {exc.strerror}") from exc
+        raise PreflightError(f"cannot bind --health-port {port} on {host}: {describe(exc)}") from exc
     finally:
         s.close()
 
@@ -221,7 +229,7 @@ def check_cache_dir(cache_dir: str | os.PathLike[str] | None, checkpoint: str | 
                 os.rmdir(d)
     except (PreloadGateError, OSError) as exc:
         why = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
-        why_text = why.strerror if isinstance(why, OSError) and why.strerror else str(why)
+        why_text = describe(why, mdir) if isinstance(why, OSError) else str(why)
         raise PreflightError(f"the manifest cache {mdir} cannot be created: {why_text}; set --cache-dir "
                              f"or PRELOAD_GATE_CACHE to a writable directory") from exc
 
@@ -251,11 +259,29 @@ def check_checkpoint(checkpoint: str | os.PathLike[str]) -> None:
         raise PreflightError(f"checkpoint directory {p} is not readable")
 
 
+def check_raw_memory(checkpoint: str | os.PathLike[str], local_ranks: int, tp_size: int = 1) -> None:
+    """The raw stage's ranks on this host fit the memory budget together
+    (:func:`preload.budget.check_memory`), from the shards' sizes: one stat
+    each, nothing read. Each rank holds its tensor-parallel share of every
+    tensor (replicated ones whole), so the ranks here hold at least
+    ``local_ranks / tp_size`` copies of the shards' bytes (headers, a few KiB,
+    counted in). Each rank checks its own arena again, exactly, after the
+    headers and before the first tensor."""
+    from preload.budget import check_memory
+
+    paths = shard_paths(checkpoint, prefer_vllm=False)  # the raw stage's own selection
+    size = sum(p.stat().st_size for p in paths)
+    copies = local_ranks / tp_size
+    what = (f"{local_ranks} raw-stage rank{'s' if local_ranks > 1 else ''} of {checkpoint} "
+            f"({len(paths)} shards, {gib(size)}{f' x {copies:g}' if copies != 1 else ''})")
+    check_memory([(what, int(size * copies))])
+
+
 def preflight_daemon(checkpoint: str | os.PathLike[str], socket_root: str | os.PathLike[str] | None,
                      ranks: Iterable[int], digest: str | None, health_host: str = "127.0.0.1",
                      health_port: int | None = None, dtype: str = "auto", tp_size: int = 1,
                      pp_size: int = 1, transport: str = "shm", engine: dict[str, object] | None = None,
-                     refuse_held: bool = True) -> dict[int, str]:
+                     refuse_held: bool = True, stage: str | None = None) -> dict[int, str]:
     """Everything ``preload`` (and its ``--dry-run``) can check before it reads a weight byte.
 
     Returns the ranks another daemon holds (rank -> its pid); with
@@ -286,6 +312,10 @@ def preflight_daemon(checkpoint: str | os.PathLike[str], socket_root: str | os.P
     if health_port is not None:
         check_port(health_host, health_port)
     check_cuda(transport)
+    if stage == "raw" and transport == "shm":
+        # (The loaded stage's size depends on vLLM's dtype and layout: its ranks
+        # check their arenas once the model is built, before the first tensor.)
+        check_raw_memory(checkpoint, len(ranks), tp_size)
     return held
 
 
@@ -301,7 +331,8 @@ def preflight_promote(checkpoint: str | os.PathLike[str], socket_root: str | os.
 
 __all__ = [
     "AF_UNIX_MAX", "VLLM_DTYPES", "PreflightError", "check_cache_dir", "check_cache_root", "check_checkpoint",
-    "check_cuda", "check_dtype", "check_engine_choices", "check_output_dir", "check_output_dirs", "check_pipeline_parallel", "check_port",
-    "check_rank_locks", "check_socket_root", "rank_lock_holders", "check_tensor_parallel", "model_heads", "preflight_daemon",
+    "check_cuda", "check_dtype", "check_raw_memory", "check_engine_choices", "check_output_dir", "check_output_dirs",
+    "check_pipeline_parallel", "check_port", "check_rank_locks", "check_socket_root", "rank_lock_holders",
+    "check_tensor_parallel", "model_heads", "preflight_daemon",
     "preflight_promote", "socket_path_problem",
 ]

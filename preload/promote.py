@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pgbase.errors import PreloadGateError
+from pgbase.oscause import describe
 from preload.identity.filestat import STAT_BLIND_FILESYSTEMS, filesystem_type
 from preload.identity.manifest import Manifest, build_manifest, write_manifest
 from preload.preflight import preflight_promote
@@ -89,7 +90,7 @@ def promote(
         sdir = ensure_private_dir(target)
     except OSError as exc:
         raise PreloadGateError(
-            f"cannot create the socket directory {target}: {exc.strerror or exc}; "
+            f"cannot create the socket directory {target}: {describe(exc, target)}; "
             "choose a writable --socket-root (or PRELOAD_GATE_SOCKET_ROOT)"
         ) from exc
     path = write_manifest(manifest, cache_dir)

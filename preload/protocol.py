@@ -242,12 +242,27 @@ def _recv_exact(
                 got = array.array("i")
                 got.frombytes(cdata[: len(cdata) - len(cdata) % fd_size])
                 fds.extend(got)
+        if _flags & socket.MSG_CTRUNC:
+            # The kernel drops descriptors it cannot install (this process at
+            # its open-file limit) or that overflow the buffer, and says only this.
+            raise ProtocolError(f"descriptors sent with a frame were dropped: {_truncated_why()}")
         if not data:
             if allow_eof and not buf:
                 return None
             raise ProtocolError(f"peer closed the connection mid-frame ({len(buf)} of {n} bytes)")
         buf += data
     return bytes(buf)
+
+
+def _truncated_why() -> str:
+    import errno
+
+    from pgbase.limits import open_file_limit, open_files
+    from pgbase.oscause import describe
+
+    if open_files() >= open_file_limit()[0]:
+        return describe(OSError(errno.EMFILE, "no room to receive descriptors"))
+    return f"more than the {MAX_FDS} a frame may carry"
 
 
 def _close_fds(fds: list[int]) -> None:

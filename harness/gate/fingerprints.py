@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pgbase.oscause import reason
 from preload.identity import anchors
 
 # header_only fingerprints come from the installed vLLM ("auto"); unit tests
@@ -29,7 +30,7 @@ def fingerprint_matrix(base: Path, candidate: Path,
             c = scheme_print(scheme, candidate)
             out[scheme] = {"equal": b == c}
         except Exception as exc:  # a scheme that cannot run is shown, not hidden
-            out[scheme] = {"equal": None, "error": f"{type(exc).__name__}: {exc}"}
+            out[scheme] = {"equal": None, "error": reason(exc)}
     return out
 
 

@@ -223,7 +223,7 @@ def preflight(opts: PreloadOptions, refuse_held: bool = True) -> dict[int, str]:
     return preflight_daemon(opts.checkpoint, opts.socket_root, ranks, digest, opts.health_host, opts.health_port,
                             dtype=str(opts.engine.get("dtype") or "auto"), tp_size=opts.parallel.tp_size,
                             pp_size=opts.parallel.pp_size, transport=opts.transport, engine=opts.engine,
-                            refuse_held=refuse_held)
+                            refuse_held=refuse_held, stage=opts.stage)
 
 
 def run(opts: PreloadOptions, out: Any = None) -> int:

@@ -30,9 +30,11 @@ import torch
 
 from pgbase.errors import CheckpointError, PreloadGateError
 from pgbase.shards import check_unique_tensors, read_header, shard_paths
+from preload.budget import check_memory, rank_open_files, reserve_open_files
 from preload.checksum import resident_checksums
 from preload.daemon.proof import ProvenShard, check_digest, torch_dtype, torch_shape
-from preload.daemon.stage import Filled, RankConfig, rss_bytes
+from preload.daemon.server import MAX_CONNECTIONS
+from preload.daemon.stage import Filled, RankConfig, create_arena, rss_bytes
 from preload.identity.manifest import Manifest
 from preload.transports.base import Layout, Transport
 
@@ -46,8 +48,14 @@ class ProvenWeights:
 
     def __init__(self, checkpoint: str) -> None:
         self.paths = shard_paths(checkpoint)
+        headers = [read_header(p) for p in self.paths]
         # A tensor in two files resolves by directory order in vLLM: refused.
-        check_unique_tensors(read_header(p) for p in self.paths)
+        check_unique_tensors(headers)
+        # Each dtype asked of the library now (one probe file each, cached):
+        # never while a shard and the arena are open (preload.budget).
+        for h in headers:
+            for t in h.tensors:
+                torch_dtype(t, h.name)
         self.digests: dict[str, str] = {}
         self.bytes_read = 0
         # Arena views a checkpoint tensor can be read straight into (same name,
@@ -168,6 +176,10 @@ def fill_model(cfg: RankConfig, transport: Transport, expected: str | None, mani
             export_stage=cfg.stage, transport=transport.name,
         )
         loader: Any = get_model_loader(dataclasses.replace(vllm_config.load_config, load_format="auto"))
+        # vLLM is up (its world, its files): what the load opens from here is
+        # ours, one shard at a time (preload.budget); checked before the first.
+        need, want = rank_open_files(MAX_CONNECTIONS, cfg.stage)
+        reserve_open_files(need, f"the {cfg.stage} stage (shards read one at a time)", want)
         weights = ProvenWeights(cfg.checkpoint)
         loader.get_all_weights = lambda _mc, _m: weights
         loader.counter_before_loading_weights = time.perf_counter()
@@ -179,6 +191,11 @@ def fill_model(cfg: RankConfig, transport: Transport, expected: str | None, mani
             if cfg.stage == "loaded":
                 arena, layout, aliases, checksums = _load_into_arena(model, loader, model_config, transport, weights)
             else:
+                # The model is allocated on its device already; its arena copy
+                # comes beside it, checked before the first weight is read.
+                held = sum(t.numel() * t.element_size() for _n, t, _k in _canonical_tensors(model)[0])
+                check_memory([("the processed stage's arena copy of the model", held)],
+                             device=transport.memory_device())
                 loader.load_weights(model, model_config)
                 process_weights_after_loading(model, model_config, device)
                 arena, layout, aliases, checksums = _copy_into_arena(model, transport)
@@ -211,11 +228,17 @@ def _plain_copy_loader(param: torch.Tensor) -> bool:
     return fn is default_weight_loader or getattr(fn, "__func__", None) is VocabParallelEmbedding.weight_loader
 
 
+def _check_arena_fits(layout: Layout, transport: Transport, stage: str) -> None:
+    check_memory([(f"the {stage} stage's arena ({len(layout.entries)} tensors)", layout.total_bytes)],
+                 device=transport.memory_device())
+
+
 def _load_into_arena(model: torch.nn.Module, loader: Any, model_config: Any, transport: Transport,
                      weights: ProvenWeights) -> Any:
     tensors, aliases = _canonical_tensors(model)
     layout = _plan(tensors)
-    arena = transport.create(layout)
+    _check_arena_fits(layout, transport, "loaded")  # before the first tensor is read
+    arena = create_arena(transport, layout)
     views = arena.views()
     try:
         for name, t, kind in tensors:
@@ -249,7 +272,8 @@ def _load_into_arena(model: torch.nn.Module, loader: Any, model_config: Any, tra
 def _copy_into_arena(model: torch.nn.Module, transport: Transport) -> Any:
     tensors, aliases = _canonical_tensors(model)
     layout = _plan(tensors)
-    arena = transport.create(layout)
+    _check_arena_fits(layout, transport, "processed")  # beside the processed model it copies
+    arena = create_arena(transport, layout)
     views = arena.views()
     for name, t, _kind in tensors:
         views[name].copy_(t.data)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import os
 import struct
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from pgbase.errors import CheckpointError, DigestMismatchError
+from pgbase.oscause import describe
 from pgbase.shards import (
     MAX_HEADER_BYTES,
     ShardHeader,
@@ -43,18 +45,25 @@ def _library_torch_form(dtype: str) -> tuple[torch.dtype, int] | None:
 
     from safetensors import safe_open
 
-    with tempfile.TemporaryDirectory(prefix="pg-dtype-") as tmp:
-        path = os.path.join(tmp, "probe.safetensors")
-        for nbytes in range(1, 65):
-            blob = json.dumps({"t": {"dtype": dtype, "shape": [8], "data_offsets": [0, nbytes]}}).encode()
-            with open(path, "wb") as f:
-                f.write(struct.pack("<Q", len(blob)) + blob + bytes(nbytes))
-            try:
-                with safe_open(path, framework="pt") as st:
-                    t = st.get_tensor("t")
-            except Exception:
-                continue
-            return t.dtype, 8 // max(1, int(t.shape[-1]))
+    path = "the dtype probe file"
+    try:
+        with tempfile.TemporaryDirectory(prefix="pg-dtype-") as tmp:
+            path = os.path.join(tmp, "probe.safetensors")
+            for nbytes in range(1, 65):
+                blob = json.dumps({"t": {"dtype": dtype, "shape": [8], "data_offsets": [0, nbytes]}}).encode()
+                with open(path, "wb") as f:
+                    f.write(struct.pack("<Q", len(blob)) + blob + bytes(nbytes))
+                try:
+                    with safe_open(path, framework="pt") as st:
+                        t = st.get_tensor("t")
+                except Exception as exc:
+                    if isinstance(exc, (OSError, MemoryError)):
+                        raise  # the system said no (EMFILE reads "No such file"): not the library's answer
+                    continue
+                return t.dtype, 8 // max(1, int(t.shape[-1]))
+    except (OSError, MemoryError) as exc:
+        raise CheckpointError(f"cannot ask the safetensors library how it loads dtype {dtype}: "
+                              f"{describe(exc, path)}") from exc
     return None
 
 
@@ -81,41 +90,71 @@ def torch_shape(info: TensorInfo, shard: str) -> tuple[int, ...]:
 
 
 class ProvenShard:
-    """One shard opened for a single hashed pass; read tensors in file order."""
+    """One shard read for a single hashed pass; read tensors in file order.
+
+    It holds no descriptor between its header and its data: the header is
+    read (and checked against the safetensors library) when it is made, the
+    file is opened again at the first tensor read and closed by
+    :meth:`finish`, so a stage that plans every shard's header before it
+    reads any data keeps one shard open at a time, whatever the shard count
+    (1,500 shards under ``ulimit -n`` 1024 used to run out). The header read
+    again must be byte-identical to the one the tensors were placed by, and
+    the file the same one (device, inode, size), or the read is refused.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.name = self.path.name
         self._sha = hashlib.sha256()
+        self._f: io.FileIO | None = None
         # Validity is the safetensors library's answer; placement follows the
         # header bytes hashed below, which must agree with the library's view.
         library = library_view(self.path, self.name)
+        f = self._open()
         try:
-            self._f = open(self.path, "rb", buffering=0)
-        except OSError as exc:
-            raise CheckpointError(f"cannot open shard: {exc.strerror or exc}", self.name) from exc
-        try:
-            self.size = os.fstat(self._f.fileno()).st_size
-            prefix = self._read(8)
+            st = os.fstat(f.fileno())
+            self.size = st.st_size
+            self._identity = (st.st_dev, st.st_ino, st.st_size)
+            prefix = _read_exact(f, 8, self.name)
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > MAX_HEADER_BYTES or 8 + header_len > self.size:
                 raise CheckpointError(f"bad header length {header_len} for a {self.size}-byte file", self.name)
-            raw = self._read(header_len)
-            # The header we place tensors by is the header we hashed.
-            self.header: ShardHeader = parse_accepted(self.name, str(self.path), self.size, header_len, raw,
-                                                      library)
-        except BaseException:
-            self._f.close()
-            raise
+            raw = _read_exact(f, header_len, self.name)
+        finally:
+            f.close()
+        # The header we place tensors by is the header we hashed.
+        self.header: ShardHeader = parse_accepted(self.name, str(self.path), self.size, header_len, raw, library)
+        self._sha.update(prefix)
+        self._sha.update(raw)
+        self._header_sha = hashlib.sha256(prefix + raw).digest()
         self._pos = 8 + header_len
         self._staging: torch.Tensor | None = None
 
-    def _read(self, n: int) -> bytes:
-        data = self._f.read(n)
-        if len(data) != n:
-            raise CheckpointError(f"file ended early ({len(data)} of {n} bytes read)", self.name)
-        self._sha.update(data)
-        return data
+    def _open(self) -> io.FileIO:
+        try:
+            return io.FileIO(self.path, "rb")
+        except OSError as exc:
+            raise CheckpointError(f"cannot open shard: {describe(exc, self.path)}", self.name) from exc
+
+    def _data(self) -> io.FileIO:
+        """The file, opened again for the data pass: the same file, the same header."""
+        if self._f is not None:
+            return self._f
+        f = self._open()
+        try:
+            st = os.fstat(f.fileno())
+            if (st.st_dev, st.st_ino, st.st_size) != self._identity:
+                raise CheckpointError("was replaced or resized between reading its header and its data; "
+                                      "start again once the checkpoint is no longer being written", self.name)
+            start = 8 + self.header.header_len
+            if hashlib.sha256(_read_exact(f, start, self.name)).digest() != self._header_sha:
+                raise CheckpointError("its header changed between planning and reading; start again once the "
+                                      "checkpoint is no longer being written", self.name)
+        except BaseException:
+            f.close()
+            raise
+        self._f = f
+        return f
 
     @property
     def tensors(self) -> tuple[TensorInfo, ...]:
@@ -149,9 +188,10 @@ class ProvenShard:
         self._pos = info.end
 
     def _fill(self, out: memoryview, info: TensorInfo) -> None:
+        f = self._data()
         done = 0
         while done < len(out):
-            n = self._f.readinto(out[done : done + CHUNK_BYTES])
+            n = f.readinto(out[done : done + CHUNK_BYTES])
             if not n:
                 raise CheckpointError(f"tensor {info.name!r}: file ended early", self.name)
             self._sha.update(out[done : done + n])
@@ -168,14 +208,23 @@ class ProvenShard:
         try:
             if self._pos != self.size:
                 raise CheckpointError(f"only {self._pos} of {self.size} bytes were read", self.name)
-            if self._f.read(1):
+            if self._data().read(1):
                 raise CheckpointError("shard grew while it was being read", self.name)
         finally:
-            self._f.close()
+            self.close()
         return self._sha.hexdigest()
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def _read_exact(f: io.FileIO, n: int, shard: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise CheckpointError(f"file ended early ({len(data)} of {n} bytes read)", shard)
+    return data
 
 
 def check_digest(

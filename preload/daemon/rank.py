@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pgbase.errors import PreloadGateError
+from pgbase.oscause import reason
 from preload.daemon.home import remove_if_empty
 from preload.daemon.lock import RankLock
 from preload.daemon.parent import INTERVAL_S as PARENT_POLL_S
@@ -156,7 +157,9 @@ def main() -> int:
     except Exception as exc:
         if not isinstance(exc, PreloadGateError):
             log.exception("rank failed")
-        announce({"event": "rank_error", "error": str(exc), "type": type(exc).__name__})
+        # A failure of the system's (no memory, no descriptor) is named by its cause.
+        error = str(exc) if isinstance(exc, PreloadGateError) else reason(exc)
+        announce({"event": "rank_error", "error": error, "type": type(exc).__name__})
         return 2
     return 0
 

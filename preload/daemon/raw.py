@@ -12,9 +12,11 @@ import os
 import time
 
 from pgbase.shards import check_unique_tensors, shard_paths
+from preload.budget import check_memory, rank_open_files, reserve_open_files
 from preload.checksum import resident_checksums
 from preload.daemon.proof import ProvenShard, check_digest, torch_dtype, torch_shape
-from preload.daemon.stage import Filled
+from preload.daemon.server import MAX_CONNECTIONS
+from preload.daemon.stage import Filled, create_arena
 from preload.daemon.tp_slice import plan_slices, read_slice
 from preload.identity.config import config_digest, read_config
 from preload.identity.key import WeightCacheKey
@@ -53,10 +55,15 @@ def fill_raw(
     kept) when the bytes do not hash to ``expected_digest``."""
     start = time.perf_counter()
     shards: list[ProvenShard] = []
+    # No vLLM here: the mirror of its file selection, proven equal by
+    # tests/cpu/test_fileset_differential.py.
+    paths = shard_paths(checkpoint, prefer_vllm=False)
+    # Before the first shard is opened: one shard open at a time (ProvenShard
+    # holds none between header and data), the arena, serving (preload.budget).
+    need, want = rank_open_files(MAX_CONNECTIONS, "raw")
+    reserve_open_files(need, f"the raw stage ({len(paths)} shards, read one at a time)", want)
     try:
-        # No vLLM here: the mirror of its file selection, proven equal by
-        # tests/cpu/test_fileset_differential.py.
-        for path in shard_paths(checkpoint, prefer_vllm=False):
+        for path in paths:
             shards.append(ProvenShard(path))
         check_unique_tensors(sh.header for sh in shards)
         specs = [(t.name, torch_dtype(t, sh.name), torch_shape(t, sh.name), "param")
@@ -64,7 +71,10 @@ def fill_raw(
         slices = plan_slices(checkpoint, [(n, shape) for n, _, shape, _ in specs], tp_size, tp_rank)
         specs = [(n, d, slices[n].local_shape(shape, tp_size, tp_rank), k) for n, d, shape, k in specs]
         layout = Layout.plan(specs)
-        arena = transport.create(layout)
+        # The headers are read, no tensor yet: refuse here an arena that cannot fit.
+        check_memory([(f"the raw stage's arena ({len(shards)} shards, {len(specs)} tensors)", layout.total_bytes)],
+                     device=transport.memory_device())
+        arena = create_arena(transport, layout)
     except BaseException:
         for sh in shards:
             sh.close()

@@ -9,6 +9,7 @@ daemon's own state.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -19,7 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from pgbase.errors import PreloadGateError, ProtocolError
+from pgbase.limits import nofile_fix, open_file_limit
+from pgbase.oscause import describe
 from preload import protocol
+from preload.budget import connection_files, open_file_room
 from preload.daemon.counters import RankStats, Session
 from preload.daemon.home import HomeWatch, inode_of, remove_if_empty, unlink_if
 from preload.daemon.lock import RankBusyError, RankLock, socket_answers
@@ -66,6 +70,8 @@ class RankServer:
         # The socket file we bound (by inode): stop() removes only that.
         self._sock_inode: tuple[int, int] | None = None
         self._home: HomeWatch | None = None
+        self.max_connections = MAX_CONNECTIONS
+        self._fd_warned = -1e9
 
     @property
     def lock(self) -> RankLock:
@@ -101,9 +107,23 @@ class RankServer:
             log.warning("replaced a stale socket left by a stopped daemon: %s", self.path)
         self._check_own_frames()
         self._bind()
+        self.max_connections = self._connection_cap()
         if HomeWatch.enabled():
             self._home = HomeWatch(self, self.on_home_lost)
             self._home.start()
+
+    def _connection_cap(self) -> int:
+        """As many connections as the open-file limit leaves room for (each
+        holds its socket and, while a state reply goes out, the arena's
+        duplicates), at most MAX_CONNECTIONS; said once when it is fewer."""
+        per = connection_files(len(self.filled.arena.fds()))
+        room = open_file_room()
+        cap = max(1, min(MAX_CONNECTIONS, room // per))
+        if cap < MAX_CONNECTIONS:
+            log.warning("rank %d: the open-file limit leaves room for %d engine connections at once (of %d; "
+                        "each engine holds up to 2): %s", self.global_rank, cap, MAX_CONNECTIONS,
+                        nofile_fix(open_file_limit()[0] - room + MAX_CONNECTIONS * per))
+        return cap
 
     def _check_own_frames(self) -> None:
         """Parse a hello and a get_state for the key we serve, through the
@@ -190,10 +210,19 @@ class RankServer:
                 conn, _ = listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    # Out of descriptors (others took the room): the engine
+                    # waits in the backlog; say why, once a minute, and go on.
+                    now = time.monotonic()
+                    if now - self._fd_warned > 60:
+                        self._fd_warned = now
+                        log.warning("rank %d: cannot accept an engine: %s", self.global_rank, describe(exc))
+                    self._stop.wait(0.05)
+                    continue
+                return  # the listener was closed (stop, rebind)
             with self._mutex:
-                if len(self._conns) >= MAX_CONNECTIONS:
+                if len(self._conns) >= self.max_connections:
                     conn.close()
                     continue
                 self._conns.add(conn)
@@ -324,9 +353,20 @@ class RankServer:
             # Race-free against release/stop: duplicate the descriptors while
             # the arena is known open, send the duplicates, close them after.
             gone = "released" if self.released else ("stopped" if self._arena_closed else None)
-            dups = [] if gone else [os.dup(fd) for fd in f.arena.fds()]
+            dups: list[int] = []
+            dup_failed: str | None = None
+            try:
+                for fd in [] if gone else f.arena.fds():
+                    dups.append(os.dup(fd))
+            except OSError as exc:  # the daemon at its open-file limit: the engine is told why
+                for fd in dups:
+                    os.close(fd)
+                dup_failed = describe(exc)
             # A CUDA export is taken from the live arena too.
-            descriptor = None if gone else f.arena.descriptor()
+            descriptor = None if gone or dup_failed else f.arena.descriptor()
+        if dup_failed:
+            self._reply(conn, protocol.error_reply(f"the daemon cannot hand out its arena: {dup_failed}"))
+            return
         if gone:
             why = ("the arena was released (copy mode); restart the daemon" if gone == "released"
                    else "the daemon is stopping")

@@ -14,10 +14,13 @@ from typing import Any
 
 import psutil
 
+from pgbase.errors import PreloadGateError
 from pgbase.json_shape import convert
+from pgbase.limits import gib
+from pgbase.oscause import describe
 from preload.daemon.settings import DaemonSettings
 from preload.identity.key import WeightCacheKey
-from preload.transports.base import Arena, Layout
+from preload.transports.base import Arena, Layout, Transport
 
 
 @dataclass
@@ -67,6 +70,15 @@ class RankConfig(DaemonSettings):
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def create_arena(transport: Transport, layout: Layout) -> Arena:
+    """``transport.create(layout)``; an arena the system cannot give (no
+    memory, no descriptor) is a PreloadGateError naming the cause and the size."""
+    try:
+        return transport.create(layout)
+    except OSError as exc:
+        raise PreloadGateError(f"cannot create the {gib(layout.total_bytes)} arena: {describe(exc)}") from exc
 
 
 def rss_bytes() -> int:

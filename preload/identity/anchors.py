@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pgbase.errors import CheckpointError
+from pgbase.oscause import describe
 from pgbase.schemes import SAMPLE_BYTES, SCHEMES
 from pgbase.shards import INDEX_NAME, not_a_directory, read_header, shard_paths
 from preload.identity.digest import content_digest
@@ -119,7 +120,9 @@ def header_only(checkpoint: str | os.PathLike[str], implementation: str = "auto"
     model = os.fspath(checkpoint)
     try:
         hex_ = fn(model)
-    except (OSError, ValueError, struct.error) as exc:
+    except OSError as exc:
+        raise CheckpointError(f"header_only cannot hash {model}: {describe(exc)}") from exc
+    except (ValueError, struct.error) as exc:
         raise CheckpointError(f"header_only cannot hash {model}: {exc}") from exc
     if hex_ is None:
         raise CheckpointError(f"header_only found no local *.safetensors in {model}")
@@ -165,7 +168,7 @@ def sampled_1k(checkpoint: str | os.PathLike[str], sample_bytes: int = SAMPLE_BY
                     f.seek(8 + header_len + begin)
                     h.update(f.read(min(sample_bytes, end - begin)))
         except OSError as exc:
-            raise CheckpointError(f"cannot read shard: {exc.strerror or exc}", path.name) from exc
+            raise CheckpointError(f"cannot read shard: {describe(exc, path)}", path.name) from exc
         except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"sampled_1k cannot parse the header: {exc}", path.name) from exc
     return Fingerprint("sampled_1k", h.hexdigest(), f"preload-gate (first {sample_bytes} B per tensor)")

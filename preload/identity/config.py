@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pgbase.errors import CheckpointError
+from pgbase.oscause import describe
 
 
 def read_config(checkpoint: str | os.PathLike[str]) -> Any:
@@ -24,7 +25,9 @@ def read_config(checkpoint: str | os.PathLike[str]) -> Any:
         return None
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise CheckpointError(f"config.json cannot be read: {describe(exc, path)}") from exc
+    except ValueError as exc:
         raise CheckpointError(f"config.json is not readable JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path} holds a JSON {type(obj).__name__}, not an object; "

@@ -22,7 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pgbase.errors import CheckpointError
+from pgbase.oscause import describe
 from pgbase.shards import shard_paths
+from preload.budget import reserve_open_files
 
 CHUNK_BYTES = 8 << 20
 
@@ -55,7 +57,7 @@ def hash_file(
                 if on_bytes is not None:
                     on_bytes(n)
     except OSError as exc:
-        raise CheckpointError(f"cannot read shard: {exc.strerror or exc}", Path(path).name) from exc
+        raise CheckpointError(f"cannot read shard: {describe(exc, path)}", Path(path).name) from exc
     return h.hexdigest()
 
 
@@ -92,6 +94,8 @@ def hash_shards(
                 bar.update(n)
 
     n_workers = min(workers or default_workers(), max(1, len(files)))
+    # Each worker holds one shard open: as many as the open-file limit leaves room for.
+    n_workers = min(n_workers, reserve_open_files(1, f"hashing {len(files)} shards", want=n_workers))
     try:
         with ThreadPoolExecutor(max_workers=n_workers) as pool:
             digests = list(pool.map(lambda p: hash_file(p, on_bytes), files))

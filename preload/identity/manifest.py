@@ -44,6 +44,7 @@ from pgbase import atomic
 from pgbase.digest_text import parse_digest
 from pgbase.errors import CheckpointError, DigestFormatError, ManifestError
 from pgbase.fileset import select_files, servable
+from pgbase.oscause import describe
 from pgbase.shards import INDEX_NAME, check_unique_tensors, not_a_directory, read_header
 from preload import trust
 from preload.identity.config import config_digest
@@ -247,7 +248,9 @@ def load_manifest(
             obj = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             continue
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
+            raise ManifestError(f"unreadable manifest {path}: {describe(exc, path)}") from exc
+        except ValueError as exc:
             raise ManifestError(f"unreadable manifest {path}: {exc}") from exc
         return Manifest.from_json(obj, source=f"manifest {path}")
     return None

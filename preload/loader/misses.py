@@ -28,6 +28,7 @@ from pgbase.errors import (
     ManifestError,
     WeightCacheUnavailableError,
 )
+from pgbase.oscause import reason
 from preload.identity.key import WeightCacheKey
 from preload.loader.options import LoaderOptions
 from preload.sockets import SOCKET_ROOT_ENV
@@ -226,8 +227,8 @@ def wrong_digest(sdir: Path, daemon_digest: str, digest: str, pid: Any, rank: in
 
 def attach_failed(exc: BaseException) -> Miss:
     """The keys agree but the daemon's tensors would not attach to this engine's model."""
-    what = str(exc) if isinstance(exc, CheckpointError | WeightCacheUnavailableError) else \
-        f"{type(exc).__name__}: {exc}"
+    # A system failure (an errno, a failed allocation) named by its real cause (pgbase.oscause).
+    what = str(exc) if isinstance(exc, CheckpointError | WeightCacheUnavailableError) else reason(exc)
     return Miss("error", f"attach failed: {what}; the keys agree, so this is a preload-gate bug: report it with "
                 "the engine's and the daemon's logs, and meanwhile load from disk (fallback: true in the "
                 "loader extra config, or --load-format auto)", cause=exc, kind="attach_failed")

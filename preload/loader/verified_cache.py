@@ -29,6 +29,7 @@ from pgbase.errors import (
     ProtocolError,
     WeightCacheUnavailableError,
 )
+from pgbase.oscause import reason
 from preload.events import LoadEvent, emit
 from preload.loader import misses, resident
 from preload.loader.misses import Miss
@@ -143,7 +144,8 @@ class VerifiedCacheLoader(BaseModelLoader):
                 # (a bug, a library error) keeps its traceback for a report.
                 log.warning("preload-gate: the cache could not be used: %s: %s", type(exc).__name__, exc,
                             exc_info=not isinstance(exc, PreloadGateError))
-                event.outcome, event.reason = "error", f"{type(exc).__name__}: {exc}"
+                event.outcome, event.reason = "error", (f"{type(exc).__name__}: {exc}"
+                                                        if isinstance(exc, PreloadGateError) else reason(exc))
                 cause = exc
             else:
                 event.outcome, event.reason, event.source = "hit", "daemon served the key", "daemon"

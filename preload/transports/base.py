@@ -231,6 +231,11 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def create(self, layout: Layout) -> Arena: ...
 
+    def memory_device(self) -> str:
+        """Where an arena's bytes are resident, as :func:`preload.budget.memory_budget`
+        names it (``"cpu"``, ``"cuda:N"``): what a load checks its size against."""
+        return "cpu"
+
     @abc.abstractmethod
     def attach(self, descriptor: dict[str, Any], fds: list[int], layout: Layout, *,
                writable: bool = True) -> Attachment:

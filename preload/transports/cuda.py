@@ -275,6 +275,9 @@ class CudaTransport(Transport):
     def device(self) -> int:
         return torch.cuda.current_device() if self._device is None else self._device
 
+    def memory_device(self) -> str:
+        return f"cuda:{self.device}"
+
     def create(self, layout: Layout) -> CudaArena:
         if not torch.cuda.is_available():
             raise WeightCacheUnavailableError("the cuda transport needs a CUDA device; none is visible")

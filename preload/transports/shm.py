@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from pgbase.errors import WeightCacheUnavailableError
+from pgbase.oscause import describe
 from preload.transports.base import (
     AdoptError,
     Arena,
@@ -234,7 +235,10 @@ class ShmTransport(Transport):
                 raise WeightCacheUnavailableError(
                     f"arena memfd lacks seals {missing}: another process could still change it"
                 )
-            mapping = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                mapping = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as exc:  # an engine out of address space or mappings: named, not "attach failed"
+                raise WeightCacheUnavailableError(f"cannot map the daemon's {size}-byte arena: {describe(exc)}") from exc
         finally:
             for fd in fds:
                 os.close(fd)

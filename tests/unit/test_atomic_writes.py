@@ -216,7 +216,8 @@ def test_write_failure_is_one_named_error(tmp_path: Path, monkeypatch: pytest.Mo
         atomic.write_json(target, {"new": True})
     assert isinstance(info.value, OSError) and info.value.errno == errno.ENOSPC
     assert str(info.value) == (
-        f"cannot write {target}: No space left on device; the previous file is unchanged"
+        f"cannot write {target}: No space left on device: free space (or quota) on the filesystem of {target}; "
+        "the previous file is unchanged"
     )
 
 
