@@ -77,13 +77,6 @@ def resident_estimate(checkpoint: str | os.PathLike[str], settings: DeploymentSe
     return total
 
 
-def available_bytes() -> int:
-    """Memory the kernel can give without swapping: ``MemAvailable`` (proc(5)), as psutil reads it."""
-    import psutil
-
-    return int(psutil.virtual_memory().available)
-
-
 def check_budget(new_label: str, new_bytes: int, resident: Sequence[tuple[str, int]],
                  budget: int | None) -> str:
     """Refuse (:class:`BudgetError`) a preload of ``new_bytes`` that does not fit.
@@ -91,7 +84,10 @@ def check_budget(new_label: str, new_bytes: int, resident: Sequence[tuple[str, i
     With ``budget`` (``--memory-budget``): everything resident plus the new
     checkpoint must fit it. Without: the new checkpoint must fit what the
     kernel has available now (the resident ones are already counted out of
-    it). Returns the line that says what was compared, for the report.
+    it), against the least of every memory limit on this process
+    (``preload.budget.memory_budget``: MemAvailable, the memory cgroup,
+    strict overcommit, RLIMIT_AS), the same budget the daemon checks its
+    arenas against. Returns the line that says what was compared, for the report.
     """
     held = sum(b for _, b in resident)
     names = ", ".join(f"{label} {_gib(b)}" for label, b in resident) or "nothing"
@@ -100,9 +96,11 @@ def check_budget(new_label: str, new_bytes: int, resident: Sequence[tuple[str, i
                f"{_gib(budget)} --memory-budget"
         ok = held + new_bytes <= budget
     else:
-        free = available_bytes()
-        line = f"{new_label} needs {_gib(new_bytes)} beside {names} resident; {_gib(free)} available (MemAvailable)"
-        ok = new_bytes <= free
+        from preload.budget import memory_budget
+
+        free = memory_budget()
+        line = f"{new_label} needs {_gib(new_bytes)} beside {names} resident; the memory budget is {free.describe()}"
+        ok = new_bytes <= free.available
     if not ok:
         raise BudgetError(f"cannot hold both checkpoints: {line}; free memory or raise --memory-budget, or pass "
                           "--evict-first (stops the old checkpoint's daemon first: a rollback then reloads it "
@@ -201,5 +199,5 @@ def socket_dir_gone(d: DaemonRecord) -> bool:
     return not socket_dir(d.digest, d.socket_root).exists()
 
 
-__all__ = ["BudgetError", "DaemonStart", "ResidencyError", "available_bytes", "check_budget", "find_daemon",
+__all__ = ["BudgetError", "DaemonStart", "ResidencyError", "check_budget", "find_daemon",
            "release_daemon", "resident_estimate", "socket_dir_gone", "start_daemon"]
