@@ -1,6 +1,12 @@
 """Count the stops one gate case makes from the CLI to its verdict.
 
     python scripts/trace_stops.py OUT.json -- gate CKPT --mutations identical_copy [gate args]
+    python scripts/trace_stops.py --fake-ipc OUT.json -- gate CKPT --target ipc_cache --mutations identical_copy
+
+``--fake-ipc``: vLLM's ipc_cache target with the stand-ins of
+tests/unit/fake_ipc_vllm.py for ``vllm preload`` and its engines (as
+tests/unit/test_targets.py runs it): the walk of a target other than ours,
+in seconds, without CUDA.
 
 Runs ``preload_gate.cli.main(ARGS)`` in this process under ``sys.setprofile``
 (and ``threading.setprofile`` for the gate's worker threads) and records every
@@ -54,7 +60,19 @@ def _gate_package(module: str) -> str | None:
     return next((p for p in GATE_PACKAGES if module == p or module.startswith(p + ".")), None)
 
 
+def _fake_ipc() -> None:
+    here = str(ROOT / "tests" / "unit")
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
+    from harness.targets.ipc_cache import IpcCacheTarget
+
+    IpcCacheTarget.unavailable = lambda self: None  # type: ignore[method-assign]
+    IpcCacheTarget.preload_command = (sys.executable, "-m", "fake_ipc_vllm", "preload")
+    IpcCacheTarget.engine_worker = IpcCacheTarget.reference_worker = "fake_ipc_vllm"
+
+
 def main(argv: list[str]) -> int:
+    fake = argv[:1] == ["--fake-ipc"]
+    argv = argv[1:] if fake else argv
     if len(argv) < 3 or argv[1] != "--":
         print(__doc__, file=sys.stderr)
         return 2
@@ -98,6 +116,9 @@ def main(argv: list[str]) -> int:
 
     sys.path.insert(0, str(ROOT))
     from preload_gate.cli import main as cli_main
+
+    if fake:
+        _fake_ipc()
 
     threading.setprofile(profile)
     sys.setprofile(profile)

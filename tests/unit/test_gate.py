@@ -195,6 +195,7 @@ def test_case_is_not_run_until_judged(tiny_ckpt, tmp_path, monkeypatch):
     """A prepared case is NOT_RUN and a report of it cannot pass; judging the
     same case (control) is what turns it into PASS."""
     from gate_cases import prepare
+
     from harness.gate import content_digest
     from harness.gate.runner import judge_case
 
@@ -220,6 +221,7 @@ def test_switch_to_identical_base_requires_a_hit(tiny_ckpt, tmp_path, monkeypatc
     """`gate A --base A`: equal content, equal key: a hit is required. Control:
     a base with other content requires a miss. Neither follows from the name."""
     from gate_cases import prepare
+
     from harness.gate import content_digest
     from harness.gate.cases import switch_case
 

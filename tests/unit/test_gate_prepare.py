@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from gate_cases import prepare
+
 from harness.gate import GateOptions, content_digest
 from harness.mutations import select_cases
 from preload.identity.manifest import StaleManifestError, resolve_digest
