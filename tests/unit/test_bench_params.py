@@ -48,6 +48,7 @@ CASES = [
     ("gpu_daemon_attach", "reps", "-1", "is not a positive integer", "2"),
     ("gate_selftest", "mutations", "bogus", "unknown mutation bogus", "identical_copy,zeroed_norm"),
     ("gate_selftest", "jobs", "0", "is not a positive integer", "2"),
+    ("gate_ray", "mutations", "bogus", "unknown mutation bogus", "identical_copy"),
     ("attach_load", "clients", "0", "is not a positive integer", "4"),
     ("attach_load", "rounds", "many", "is not an integer", "1"),
     ("attach_load", "load_mb", "nan", "is not a finite number", "1.5"),
