@@ -39,7 +39,6 @@ from harness.gate.cases import (
     settings_json,
     switch_case,
 )
-from harness.gate.digests import Digests
 from harness.gate.golden import record_golden
 from harness.gate.options import GateOptions, GateSetupError
 from harness.gate.references import ReferenceCache, vllm_version
@@ -50,6 +49,7 @@ from harness.results import CaseResult, GateReport
 from harness.targets import NAMES, get_target
 from harness.targets.base import UNSAFE_CONTROLS_ENV, PrepareContext
 from harness.targets.checkpoints import weight_files
+from harness.targets.digests import Digests
 from harness.verdict import PASS
 from preload.deployment import DeploymentSettings
 from preload.identity.digest import content_digest
@@ -133,11 +133,13 @@ def plan_for(opts: GateOptions, workdir: Path, socket_root: str, executor: Execu
     digests = Digests(socket_root, opts.progress)
     d = gate_settings(opts) if not self_test else DeploymentSettings(dtype=BASE_SETTINGS.dtype)
     daemon_args = [*d.engine_args(), *([] if d.max_model_len else ["--max-model-len", str(MAX_MODEL_LEN)])]
+    # A target's progress lines go straight to the caller's callback (none given: the context's silent one).
+    note = {"note": opts.progress} if opts.progress else {}
     ctx = PrepareContext(workdir=workdir, socket_root=socket_root, engine_timeout_s=opts.engine_timeout_s,
                          digest_of=digests.of, promote=digests.promoted, daemon_args=tuple(daemon_args),
                          unsafe_identity=opts.unsafe_identity,
                          unsafe_silent_fallback=opts.unsafe_silent_fallback,
-                         env=_child_env(opts), note=opts.note)
+                         env=_child_env(opts), **note)
     return RunPlan(target=target, executor=executor or LocalExecutor(opts.jobs, opts.cores), digests=digests,
                    ctx=ctx, base=base, alt_base=Path(opts.base) if opts.base else None, self_test=self_test,
                    run_tp=opts.run_tp, tolerance=opts.tolerance, reference_cache=opts.reference_cache,

@@ -106,8 +106,8 @@ class _DaemonHost:
                 ctx_fields: dict[str, Any], socket_root: str | None) -> dict[str, Any]:
         import ray
 
-        from harness.gate.digests import Digests
         from harness.targets import get_target
+        from harness.targets.digests import Digests
         from preload.sockets import default_socket_root
 
         target = get_target(target_name)
@@ -305,13 +305,13 @@ class RayExecutor:
             why = f"node {node[:12]}: {_why(exc)}"
         else:
             result = EngineResult.from_json(got["result"])
-            attempts.append({"node": got["node"], "started": True, "ok": result.ok,
+            attempts.append({"node": got["node"], "placed_on": node, "started": True, "ok": result.ok,
                              "seconds": round(time.monotonic() - t0, 3)})
             _keep_log(job.workdir, got.get("log", ""))
             with self._room:
                 self.used_nodes.add(got["node"])
             return Outcome(result, node=got["node"], attempts=attempts)
-        attempts.append({"node": node, "started": True, "ok": False,
+        attempts.append({"node": node, "placed_on": node, "started": True, "ok": False,
                          "seconds": round(time.monotonic() - t0, 3), "why": why})
         return None
 

@@ -11,7 +11,7 @@ the reference, the target's engine on the candidate is judged against it.
 Caches are prepared and closed one group after another (a GPU holds one
 daemon of a model, not two).
 
-Digests come from :class:`harness.gate.digests.Digests`: the promotion's,
+Digests come from :class:`harness.targets.digests.Digests`: the promotion's,
 carried with its proof, hashed again only where a rule says the bytes may
 have changed. The required outcome of a case follows from those digests and
 from the product's key rule, never from the case's name.
@@ -35,7 +35,6 @@ from typing import Any
 
 from harness.engine import EngineResult, EngineSpec
 from harness.gate.cases import settings_json
-from harness.gate.digests import Digests
 from harness.gate.fingerprints import all_prints, fingerprint_matrix
 from harness.gate.references import ReferenceCache, vllm_version
 from harness.gate.schedule import EngineJob, Executor, Outcome, Placement, run_jobs
@@ -43,6 +42,7 @@ from harness.mutations import BASE_SETTINGS, EngineSettings, GateCase
 from harness.results import CaseResult, GateReport, PreparedCase
 from harness.targets.base import CacheTarget, PrepareContext, PreparedCache
 from harness.targets.checkpoints import make_candidate, stage_base, values_digest
+from harness.targets.digests import Digests
 from harness.targets.judge import judge_served
 from harness.verdict import NOT_RUN, expected_outcome
 from pgbase.errors import PreloadGateError

@@ -46,7 +46,7 @@ class PrepareContext:
 
     ``digest_of(path)`` is the run's digest of a checkpoint: the promotion's,
     carried with its proof (the manifest and its stat check), hashed only
-    where no manifest vouches for the bytes (:class:`harness.gate.digests.Digests`).
+    where no manifest vouches for the bytes (:class:`harness.targets.digests.Digests`).
     ``daemon_args`` are the deployment's engine arguments a daemon is started
     with (``--dtype ...``); ``env`` is added to every child's environment (the
     negative controls' switch).

@@ -29,7 +29,7 @@ from test_canary_golden import stub_result
 
 from harness.bench.remote_fs import RemoteFS
 from harness.gate import GateOptions, run_gate
-from harness.gate.digests import Digests
+from harness.targets.digests import Digests
 from harness.targets.verified_cache import VerifiedCacheTarget
 from harness.verdict import PASS
 from preload.identity.digest import content_digest
