@@ -20,7 +20,8 @@ what is counted is the gate's own walk. Writes OUT.json with
 - ``back_and_forth``: how many times a call went from one of the gate's
   packages (harness.gate, harness.targets) into the other and later came
   back into the first from it (A -> B -> A on one stack): the cycle the review
-  found between the gate and its targets;
+  found between the gate and its targets; ``back_and_forth_calls``: each such
+  call as ``caller -> callee``;
 - ``walk``: the stops on the way to the case's engines, daemon and verdict:
   every frame on the stack when ``harness.engine.run_engine``,
   ``DaemonProcess.start`` or ``harness.verdict.judge`` is called (the path a
@@ -80,6 +81,7 @@ def main(argv: list[str]) -> int:
     pairs: set[tuple[str, str]] = set()
     lock = threading.Lock()
     back_and_forth = [0]
+    crossings: set[str] = set()
     stacks: dict[int, list[str | None]] = {}
     frames: dict[int, list[tuple[str, str] | None]] = {}
     walk: set[tuple[str, str]] = set()
@@ -109,8 +111,11 @@ def main(argv: list[str]) -> int:
             seen = [p for p in stack if p is not None]
             # A -> B -> A: this call enters A again from B, with A below B on the stack.
             if seen and seen[-1] != pkg and pkg in seen:
+                caller = next((f for f in reversed(fstack) if f is not None), None)
                 with lock:
                     back_and_forth[0] += 1
+                    crossings.add(f"{caller[0]}:{caller[1]} -> {module}:{frame.f_code.co_qualname}"
+                                  if caller else f"{module}:{frame.f_code.co_qualname}")
         stack.append(pkg)
         fstack.append(me)
 
@@ -136,6 +141,7 @@ def main(argv: list[str]) -> int:
     doc = {"argv": args, "exit_code": rc, "stops": len(pairs), "files": len({m for m, _ in pairs}),
            "gate_files": len({m for m, _ in pairs if _gate_package(m)}),
            "packages": dict(sorted(packages.items())), "back_and_forth": back_and_forth[0],
+           "back_and_forth_calls": sorted(crossings),
            "walk": len(walk), "walk_files": len({m for m, _ in walk}),
            "walk_pairs": sorted(f"{m}:{f}" for m, f in walk),
            "pairs": sorted(f"{m}:{f}" for m, f in pairs)}
