@@ -48,10 +48,12 @@ class State:
         """The transport this state's descriptor came from."""
         return transport_for(self.descriptor)
 
-    def attach(self) -> Attachment:
-        """Map the tensors (takes ownership of ``fds``)."""
+    def attach(self, *, writable: bool = True) -> Attachment:
+        """Map the tensors (takes ownership of ``fds``); ``writable=False``
+        for a consumer that never writes them (the transport then maps
+        read-only where it can: ``Transport.attach``)."""
         fds, self.fds = self.fds, []
-        return self.transport.attach(self.descriptor, fds, self.layout)
+        return self.transport.attach(self.descriptor, fds, self.layout, writable=writable)
 
     def close(self) -> None:
         for fd in self.fds:

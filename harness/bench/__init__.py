@@ -50,6 +50,7 @@ ROW_MODULES: dict[str, str] = {
     "harness.bench.daemon": "",
     "harness.bench.gpu": "",
     "harness.bench.gpu_daemon": "",
+    "harness.bench.gpu_readopt": "",
     "harness.bench.gate": "",
     "harness.bench.load": "",
     "harness.bench.preflight": "",

@@ -15,12 +15,14 @@ CPU and CI), :mod:`~preload.checksum.planner` and
 
 from __future__ import annotations
 
-from preload.checksum.planner import SHAPE_ENV, ChecksumSettingsError, KernelShape
+from preload.checksum.planner import SHAPE_ENV, ChecksumSettingsError, KernelShape, warm
 from preload.checksum.reference import tensor_checksum
 from preload.checksum.resident import (
     ResidentWeightsChangedError,
     VerifyReport,
     arena_base,
+    arena_checksums,
+    changed_tensors,
     checksum_tensors,
     resident_checksums,
     verify_resident,
@@ -37,8 +39,11 @@ __all__ = [
     "ResidentWeightsChangedError",
     "VerifyReport",
     "arena_base",
+    "arena_checksums",
+    "changed_tensors",
     "checksum_tensors",
     "resident_checksums",
     "tensor_checksum",
     "verify_resident",
+    "warm",
 ]

@@ -48,7 +48,7 @@ class KernelShape:
     """
 
     tile: int = 4096
-    iters: int = 4
+    iters: int = 16
     warps: int = 8
 
     def __post_init__(self) -> None:
@@ -186,3 +186,23 @@ def hex_rows(lanes: torch.Tensor) -> list[str]:
     """
     digits = lanes.cpu().numpy().astype(">u4").tobytes().hex()
     return [digits[i : i + 24] for i in range(0, len(digits), 24)]
+
+
+def warm(device: torch.device | str) -> float:
+    """Compile (or load from Triton's cache) and run the kernel once on a
+    small arena on ``device``, with the shape ``checksum_tensors`` uses; the
+    seconds it took. A successor daemon calls it before it times a
+    re-adoption, as a loading daemon's first checksum pays it before its
+    first engine. Nothing happens (0.0) where the Triton path cannot run."""
+    import time
+
+    from preload.transports.base import Layout
+
+    t0 = time.perf_counter()
+    layout = Layout.plan([("warm", torch.int32, (2 * BLOCK_WORDS + 3,), "param")])
+    base = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
+    lanes = lanes_triton(base, layout)
+    if lanes is None:
+        return 0.0
+    lanes.cpu()
+    return time.perf_counter() - t0

@@ -21,7 +21,7 @@ from pgbase.errors import PreloadGateError
 from preload.checksum.planner import LayoutFacts, hex_rows, lanes_triton, layout_facts
 from preload.checksum.reference import tensor_checksum
 from preload.checksum.scheme import SCHEME
-from preload.transports.base import Arena, Layout
+from preload.transports.base import Arena, Layout, view
 
 
 class ResidentWeightsChangedError(PreloadGateError):
@@ -30,13 +30,13 @@ class ResidentWeightsChangedError(PreloadGateError):
     def __init__(self, changed: list[str], checked: int) -> None:
         self.changed = list(changed)
         shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        # What changed, without the advice (the re-adoption proof words its own).
+        self.summary = f"{len(changed)} of {checked} tensors ({shown})"
         super().__init__(
             f"{len(changed)} of {checked} resident tensors changed since the daemon loaded them "
             f"({shown}): an earlier zero-copy engine wrote into the daemon's weights; "
             "restart the daemon (preload-gate preload CKPT) to reload them from the checkpoint"
         )
-
-
 
 
 def _storage_base(first: torch.Tensor, layout: Layout) -> torch.Tensor | None:
@@ -50,18 +50,19 @@ def _storage_base(first: torch.Tensor, layout: Layout) -> torch.Tensor | None:
 def _views_of(base: torch.Tensor, views: list[torch.Tensor], facts: LayoutFacts) -> bool:
     """Is every tensor its layout entry's bytes of ``base``?
 
-    Same address and size, contiguous, same device means the entry's bytes
-    are the tensor's bytes (cheaper than asking each tensor for its storage
-    object); compared as arrays, so a 320-tensor rank costs four list passes.
+    Same address and size, contiguous, means the entry's bytes are the
+    tensor's bytes (cheaper than asking each tensor for its storage object).
+    No device check: with unified addressing an address names one place,
+    host or device, so the address match already says it. Compared as
+    arrays, so a 320-tensor rank costs three list passes; on the Triton path
+    they run while the kernel reads.
     """
-    n = len(views)
-    ptrs = np.fromiter((t.data_ptr() for t in views), dtype=np.int64, count=n)
-    sizes = np.fromiter((t.nbytes for t in views), dtype=np.int64, count=n)
-    devices = np.fromiter((t.get_device() for t in views), dtype=np.int64, count=n)
-    contiguous = np.fromiter((t.is_contiguous() for t in views), dtype=bool, count=n)
+    ptrs = np.array([t.data_ptr() for t in views], dtype=np.int64)
+    sizes = np.array([t.nbytes for t in views], dtype=np.int64)
+    contiguous = np.array([t.is_contiguous() for t in views], dtype=bool)
     ok = (ptrs - base.data_ptr() == facts.offsets) & (sizes == facts.nbytes) & contiguous
     used = facts.nbytes > 0  # an empty tensor's address means nothing
-    return bool(ok[used].all()) and bool((devices == base.get_device()).all())
+    return bool(ok[used].all())
 
 
 def arena_base(tensors: Mapping[str, torch.Tensor], layout: Layout) -> torch.Tensor | None:
@@ -118,6 +119,23 @@ def checksum_tensors(
     return {e.name: tensor_checksum(t) for e, t in zip(layout.entries, views, strict=True)}
 
 
+def arena_checksums(base: torch.Tensor, layout: Layout) -> dict[str, str]:
+    """Checksums of every layout entry of a flat ``uint8`` arena the caller
+    holds (an adopted arena: its views are its own, nothing to check), keyed
+    by name: one Triton launch where it can run, else the torch path."""
+    facts = layout_facts(layout)
+    lanes = lanes_triton(base, layout)
+    if lanes is not None:
+        return dict(zip(facts.names, hex_rows(lanes), strict=True))
+    return {e.name: tensor_checksum(view(base, e)) for e in layout.entries}
+
+
+def changed_tensors(got: Mapping[str, str], layout: Layout, expected: Mapping[str, str]) -> list[str]:
+    """Entries whose checksum is not the expected one, or has none (named so)."""
+    return [e.name if e.name in expected else f"{e.name} (no checksum from the daemon)"
+            for e in layout.entries if got.get(e.name) != expected.get(e.name)]
+
+
 @dataclass(frozen=True)
 class VerifyReport:
     """What ``verify_resident`` checked (it raises when anything changed)."""
@@ -145,7 +163,7 @@ def verify_resident(
             [f"{n} (no checksum from the daemon)" for n in unchecked], len(layout.entries)
         )
     got = checksum_tensors(tensors, layout, backend=backend)
-    changed = [e.name for e in layout.entries if got[e.name] != expected[e.name]]
+    changed = changed_tensors(got, layout, expected)
     if changed:
         raise ResidentWeightsChangedError(changed, len(layout.entries))
     return VerifyReport(len(layout.entries), sum(e.nbytes for e in layout.entries))

@@ -130,7 +130,8 @@ def attach_model(
         except CacheKeyMismatchError as exc:
             raise RankMissError(tp_rank, exc.fields, f"the daemon of global rank {global_rank} in {sdir} "
                                 "holds another key") from exc
-        attachment = state.attach()
+        # This model only reads its weights (copy mode clones them): map read-only.
+        attachment = state.attach(writable=False)
         seconds["attach"] = time.perf_counter() - t1
         report = None
         if verify:

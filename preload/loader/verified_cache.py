@@ -311,7 +311,8 @@ class VerifiedCacheLoader(BaseModelLoader):
         with set_default_torch_dtype(model_config.dtype):
             with torch.device("meta"):
                 model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-            attachment = self._attachment = state.attach()
+            # copy mode only reads the daemon's tensors (it clones them): read-only where the transport can.
+            attachment = self._attachment = state.attach(writable=self.opts.mode != "copy")
             modules = dict(model.named_modules(remove_duplicate=False))
             registered: dict[str, torch.Tensor] = {}
             kinds = {e.name: e.kind for e in state.layout.entries}

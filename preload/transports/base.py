@@ -16,6 +16,15 @@ sees only this interface and never asks which transport it has:
   zero-copy can change the daemon's bytes. Where it can, the daemon takes
   resident checksums before sealing and engines verify them after attaching
   (:mod:`preload.checksum`); where it cannot, there is nothing to verify.
+- across daemons (issue 26): a sealed arena's ``deposit()`` gives what an fd
+  store keeps (a JSON-able descriptor and fresh fds); a successor daemon's
+  ``adopt(descriptor, fds, layout)`` turns them back into a sealed arena
+  without reading the checkpoint, and serves it only after ``prove(arena,
+  checksums)`` passed. ``proof_needs_checksums`` says whether that proof
+  needs the resident checksums recorded when the bytes were hashed (cuda:
+  an engine may have written into them) or stands on the arena alone (shm:
+  its write seal). The store, the record and the events are the daemon's
+  (:mod:`preload.daemon.adopt`); a transport knows only bytes and fds.
 
 All tensors of a rank live in one arena at aligned offsets: one handle to
 open instead of one per tensor.
@@ -24,11 +33,15 @@ open instead of one per tensor.
 from __future__ import annotations
 
 import abc
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import torch
+
+from pgbase.errors import PreloadGateError
 
 ALIGN = 256
 
@@ -110,6 +123,31 @@ class Layout:
         return cls(entries, total_bytes)
 
 
+class AdoptError(PreloadGateError):
+    """The fd store's descriptor and fds cannot be taken over as an arena of
+    this transport at this layout (wrong kind, fd count, size; a transport
+    whose arenas cannot outlive their daemon). The message names what."""
+
+
+class ArenaProofError(PreloadGateError):
+    """An adopted arena is not provably the bytes its depositor hashed: a
+    seal missing, a size that differs, a resident checksum that differs or
+    is absent. The message names what (and, for checksums, which tensors);
+    the daemon adds the rank, drops the arena and loads from disk."""
+
+
+@dataclass(frozen=True)
+class Proof:
+    """What a passed ``Transport.prove`` checked: ``method`` is ``"seals"``
+    (shm) or ``"checksum"`` (cuda), over ``tensors`` entries and ``bytes``
+    bytes, in ``seconds``."""
+
+    method: str
+    tensors: int
+    bytes: int
+    seconds: float
+
+
 def view(base: torch.Tensor, entry: Entry) -> torch.Tensor:
     """A typed, shaped view of ``entry`` inside a flat uint8 arena tensor."""
     raw = base[entry.offset : entry.offset + entry.nbytes]
@@ -149,6 +187,22 @@ class Arena(abc.ABC):
         """File descriptors to pass with the descriptor (SCM_RIGHTS)."""
         return []
 
+    # True for an arena made by ``Transport.adopt`` (taken over from an fd
+    # store), False for one this process filled.
+    adopted: bool = False
+
+    def deposit(self) -> tuple[dict[str, Any], list[int]]:
+        """What an fd store keeps so a successor can ``adopt`` this arena:
+        a JSON-able descriptor (no pickles; ``descriptor()``'s shape or the
+        transport's own) and fresh file descriptors the caller owns and must
+        close. Only a sealed arena is deposited (RuntimeError otherwise).
+
+        The default raises :class:`AdoptError`: a transport whose memory
+        dies with its process (the legacy CUDA IPC arena) cannot outlive
+        its daemon, and the daemon then deposits nothing.
+        """
+        raise AdoptError(f"{type(self).__name__} cannot outlive its daemon (no deposit)")
+
     @abc.abstractmethod
     def close(self) -> None:
         """Free the arena's memory (engines that attached keep their mapping)."""
@@ -178,4 +232,54 @@ class Transport(abc.ABC):
     def create(self, layout: Layout) -> Arena: ...
 
     @abc.abstractmethod
-    def attach(self, descriptor: dict[str, Any], fds: list[int], layout: Layout) -> Attachment: ...
+    def attach(self, descriptor: dict[str, Any], fds: list[int], layout: Layout, *,
+               writable: bool = True) -> Attachment:
+        """Map the arena in this (engine) process. ``writable=False``: the
+        caller never writes through the tensors, so a transport that can map
+        read-only does (cuda: ``PROT_READ``), and a stray write faults
+        instead of reaching the daemon's bytes."""
+
+    @property
+    def proof_needs_checksums(self) -> bool:
+        """Whether ``prove`` needs the resident checksums recorded when the
+        bytes were hashed. True where engines can write into an arena (no
+        seal to stand on: the bytes must be summed again), False where the
+        arena itself proves it is unchanged (a sealed memfd). A daemon never
+        adopts an arena that needs checksums from a record that has none."""
+        return self.engines_can_write
+
+    def adopt(self, descriptor: dict[str, Any], fds: list[int], layout: Layout) -> Arena:
+        """Daemon side of a takeover: the arena an earlier daemon deposited
+        (``Arena.deposit()``), from the fd store's descriptor and fds, as a
+        SEALED arena (``views()`` refuses; ``descriptor()``/``fds()`` serve
+        engines as a freshly loaded one does; ``adopted`` is True).
+
+        Takes ownership of ``fds``: kept by the arena, or closed here when
+        it raises. Checks the shape only (kind, fd count, size against
+        ``layout``) and raises :class:`AdoptError` naming what differs;
+        whether the bytes are the hashed ones is ``prove``'s question, asked
+        before the arena serves. No checkpoint byte is read. The default
+        raises :class:`AdoptError` (the transport cannot adopt).
+        """
+        for fd in fds:
+            _close_quietly(fd)
+        raise AdoptError(f"transport {self.name} cannot adopt an arena")
+
+    def prove(self, arena: Arena, checksums: Mapping[str, str]) -> Proof:
+        """Prove an adopted ``arena`` holds the bytes its depositor hashed,
+        or raise :class:`ArenaProofError` naming what failed.
+
+        ``checksums`` are the resident checksums recorded with the arena
+        (``preload.checksum``, one per layout entry; ``{}`` when none were
+        taken). Where ``proof_needs_checksums`` is True the proof recomputes
+        them over the arena and an absent one is a failure, not a pass;
+        where it is False they are ignored. Costs no checkpoint I/O.
+        """
+        raise ArenaProofError(f"transport {self.name} has no proof for adopted arenas")
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass

@@ -13,7 +13,9 @@ compare_disk (bool), corrupt (tensor name or null), prompts, max_new_tokens.
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -53,12 +55,14 @@ def attach(spec: dict[str, Any]) -> dict[str, Any]:
     client = DaemonClient.connect(spec["socket_dir"], 0, client="gpu-probe")
     state = client.get_state(raw_key(spec["checkpoint"], spec["digest"], "cuda"))
     t0 = time.perf_counter()
-    att = state.attach()
+    att = state.attach(writable=bool(spec.get("writable", True)))
     torch.cuda.synchronize()
     result: dict[str, Any] = {
         "attach_s": time.perf_counter() - t0, "bytes": state.layout.total_bytes,
         "tensors": len(state.layout.entries), "descriptor_kind": state.descriptor.get("kind"),
         "descriptor_mode": state.descriptor.get("mode"), "checksums": len(state.checksums),
+        "access": getattr(att, "access", None), "read_only_refused": getattr(att, "read_only_refused", None),
+        "ptr_equal": _views_at_mapping(att, state.layout),
     }
     free1 = _free()
     result["free_drop_on_attach"] = free0 - free1
@@ -81,9 +85,14 @@ def attach(spec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.empty_cache()
     if spec.get("corrupt"):
         target = att.tensors[spec["corrupt"]]
-        target.view(-1).view(torch.int16)[0] ^= 0x10  # an in-place write into the daemon's memory
-        torch.cuda.synchronize()
-        result["corrupted"] = spec["corrupt"]
+        try:
+            target.view(-1).view(torch.int16)[0] ^= 0x10  # an in-place write into the daemon's memory
+            torch.cuda.synchronize()
+            result["corrupted"] = spec["corrupt"]
+        except Exception as exc:  # noqa: BLE001 - a read-only mapping faults; the context is lost with it
+            result["corrupt_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            _say({"event": "result", **result})
+            os._exit(0)
     if spec.get("mode") == "copy":
         free_before_clone = _free()
         clones = {n: t.clone() for n, t in att.tensors.items()}
@@ -128,23 +137,13 @@ def hf(spec: dict[str, Any]) -> dict[str, Any]:
         socket_dir=spec["socket_dir"], identity="pinned", expected_digest=spec["digest"], verify=True,
     )
 
-    def decode(model: Any) -> tuple[list[list[int]], torch.Tensor]:
-        outs = []
-        for p in prompts:
-            ids = torch.tensor([p], device="cuda")
-            g = model.generate(ids, max_new_tokens=new, do_sample=False, min_new_tokens=new)
-            outs.append(g[0, len(p):].tolist())
-        with torch.no_grad():
-            logits = model(torch.tensor([prompts[0]], device="cuda")).logits.float()
-        return outs, logits
-
-    ours, our_logits = decode(attached.model)
+    ours, our_logits = _decode(attached.model, prompts, new)
     tied = None
     emb = attached.model.get_input_embeddings().weight
     head = attached.model.get_output_embeddings().weight
     tied = emb.data_ptr() == head.data_ptr()
     ref_model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=emb.dtype).to("cuda").eval()
-    ref, ref_logits = decode(ref_model)
+    ref, ref_logits = _decode(ref_model, prompts, new)
     from preload.transports.cuda import device_uuid
 
     result = {
@@ -241,9 +240,192 @@ def watch(spec: dict[str, Any]) -> dict[str, Any]:
     return {"lost": lost, "after_s": time.monotonic() - t0}
 
 
+def _views_at_mapping(att: Any, layout: Any) -> bool | None:
+    """Zero copy, proven: every view starts at the mapped pointer plus its offset."""
+    ptr = getattr(att, "ptr", None)
+    if ptr is None:
+        return None
+    return all(att.tensors[e.name].data_ptr() == ptr + e.offset for e in layout.entries if e.nbytes)
+
+
+def _decode(model: Any, prompts: list[list[int]], new: int) -> tuple[list[list[int]], torch.Tensor]:
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p], device="cuda")
+        g = model.generate(ids, max_new_tokens=new, do_sample=False, min_new_tokens=new)
+        outs.append(g[0, len(p):].tolist())
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[0]], device="cuda")).logits.float()
+    return outs, logits
+
+
+def _logits_digest(logits: torch.Tensor) -> str:
+    return hashlib.sha256(logits.cpu().numpy().tobytes()).hexdigest()
+
+
+def _from_holder(spec: dict[str, Any]) -> tuple[dict[str, Any], int, Any]:
+    """The record and a dup of the fd the stand-in fd store holds, and its layout."""
+    from fd_holder import request
+
+    from preload.transports.base import Layout
+
+    reply, fds = request(spec["holder"], {"cmd": "fetch"})
+    if not reply.get("ok") or len(fds) != 1:
+        raise RuntimeError(f"the fd holder gave no arena: {reply}")
+    rec = reply["record"]
+    return rec, fds[0], Layout.from_json(rec["entries"], rec["total_bytes"])
+
+
+def _deposit(spec: dict[str, Any], descriptor: dict[str, Any], fd: int, layout: Any,
+             checksums: dict[str, str]) -> dict[str, Any]:
+    from fd_holder import request
+
+    record = {"descriptor": descriptor, "entries": layout.to_json(), "total_bytes": layout.total_bytes,
+              "checksums": checksums}
+    reply, _ = request(spec["holder"], {"cmd": "deposit", "record": record}, [fd])
+    os.close(fd)
+    return reply
+
+
+def allocate_deposit(spec: dict[str, Any]) -> dict[str, Any]:
+    """A "daemon" that allocates a VMM arena, fills it, deposits its fd in the
+    holder and dies without any cleanup (os._exit, after printing)."""
+    from preload.checksum import resident_checksums
+    from preload.transports.base import Layout
+    from preload.transports.cuda import CudaTransport
+
+    n, mib = int(spec.get("tensors", 8)), int(spec["mib"])
+    layout = Layout.plan([(f"w{i}", torch.bfloat16, ((mib << 20) // n // 2,), "param") for i in range(n)])
+    arena = CudaTransport(0).create(layout)
+    views = arena.views()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for t in views.values():
+        t.view(torch.int16).random_(-(1 << 15), (1 << 15) - 1, generator=gen)
+    sums = resident_checksums(arena, views)
+    del views
+    arena.seal()
+    descriptor, fds = arena.deposit()
+    reply = _deposit(spec, descriptor, fds[0], layout, sums)
+    _say({"event": "result", "deposited": reply.get("ok"), "alloc_bytes": descriptor["alloc_bytes"],
+          "granularity": descriptor["granularity"], "pid": os.getpid(), "daemon_access": arena.access})
+    os._exit(0)
+
+
+def deposit_from_daemon(spec: dict[str, Any]) -> dict[str, Any]:
+    """Stand-in for a daemon's deposit: the fd a daemon sends with its state
+    reply goes to the holder, with the daemon's layout and checksums."""
+    from preload.client import DaemonClient
+    from preload.daemon.raw import raw_key
+
+    client = DaemonClient.connect(spec["socket_dir"], 0, client="gpu-probe-deposit")
+    state = client.get_state(raw_key(spec["checkpoint"], spec["digest"], "cuda"))
+    fds, state.fds = state.fds, []
+    reply = _deposit(spec, state.descriptor, fds[0], state.layout, dict(state.checksums))
+    client.close()
+    return {"deposited": reply.get("ok"), "nfds": len(fds), "checksums": len(state.checksums)}
+
+
+def adopt(spec: dict[str, Any]) -> dict[str, Any]:
+    """A successor's side: adopt the held arena and prove it (ArenaProofError reported)."""
+    from preload.transports.base import ArenaProofError
+    from preload.transports.cuda import CudaTransport
+
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    if spec.get("warm"):  # compile the checksum kernel outside the timed region, as a daemon's first load has
+        from preload.checksum import warm
+
+        warm("cuda")
+    t0 = time.perf_counter()
+    rec, fd, layout = _from_holder(spec)
+    transport = CudaTransport(0)
+    arena = transport.adopt(rec["descriptor"], [fd], layout)
+    t1 = time.perf_counter()
+    result: dict[str, Any] = {"adopted": arena.adopted, "access": arena.access, "bytes": layout.total_bytes}
+    try:
+        proof = transport.prove(arena, rec["checksums"])
+        result["proof"] = {"method": proof.method, "tensors": proof.tensors, "bytes": proof.bytes,
+                           "seconds": proof.seconds}
+    except ArenaProofError as exc:
+        result["proof_error"] = str(exc)
+    result.update(fetch_adopt_s=t1 - t0, adopt_prove_s=time.perf_counter() - t0)
+    if spec.get("compare_disk") and arena.base is not None:
+        from preload.transports.base import view
+
+        disk = _disk_tensors(spec["checkpoint"])
+        result["equal_to_disk"] = all(
+            torch.equal(disk[e.name].reshape(-1).view(torch.uint8), view(arena.base, e).reshape(-1).view(torch.uint8))
+            for e in layout.entries)
+    arena.close()
+    return result
+
+
+def write_byte(spec: dict[str, Any]) -> dict[str, Any]:
+    """Between two daemons: map the held arena read-write and change one element."""
+    from preload.transports.cuda import CudaTransport
+
+    rec, fd, layout = _from_holder(spec)
+    att = CudaTransport(0).attach(rec["descriptor"], [fd], layout, writable=True)
+    att.tensors[spec["tensor"]].reshape(-1).view(torch.uint8)[int(spec.get("byte", 0))] ^= 0x01
+    torch.cuda.synchronize()
+    att.close()
+    return {"written": spec["tensor"], "access": att.access}
+
+
+def hf_fd(spec: dict[str, Any]) -> dict[str, Any]:
+    """A new engine over the held arena (no daemon alive): attach read-only,
+    build the meta model on it, decode, and compare with from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    from preload.checksum import verify_resident
+    from preload.hf_attach import build_meta_model, place_tensors
+    from preload.transports.cuda import CudaTransport
+
+    torch.cuda.set_device(0)
+    rec, fd, layout = _from_holder(spec)
+    t0 = time.perf_counter()
+    att = CudaTransport(0).attach(rec["descriptor"], [fd], layout, writable=False)
+    attach_s = time.perf_counter() - t0
+    verify_resident(att.tensors, layout, rec["checksums"])
+    model = build_meta_model(spec["checkpoint"])
+    place_tensors(model, att.tensors)
+    model.to("cuda:0")
+    ours, our_logits = _decode(model, spec["prompts"], int(spec.get("max_new_tokens", 16)))
+    dtype = next(iter(att.tensors.values())).dtype
+    ref_model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=dtype).to("cuda").eval()
+    ref, ref_logits = _decode(ref_model, spec["prompts"], int(spec.get("max_new_tokens", 16)))
+    return {"ours": ours, "reference": ref, "tokens_equal": ours == ref,
+            "logits_equal": bool(torch.equal(our_logits, ref_logits)), "access": att.access,
+            "ptr_equal": _views_at_mapping(att, layout), "attach_s": attach_s, "bytes": layout.total_bytes}
+
+
+def hf_serve(spec: dict[str, Any]) -> dict[str, Any]:
+    """A long-lived engine: attach zero-copy (read-only), then answer "decode"
+    lines on stdin with the greedy tokens and a digest of the logits, until "exit"."""
+    from preload.hf_attach import attach_model
+
+    attached = attach_model(
+        spec["checkpoint"], device="cuda:0", socket_dir=spec["socket_dir"], identity="pinned",
+        expected_digest=spec["digest"], verify=True, watch=True, on_loss=lambda: None,
+    )
+    access = getattr(attached.attachment, "access", None)
+    _say({"event": "attached", "access": access, "bytes": attached.bytes})
+    for line in sys.stdin:
+        if line.strip() == "decode":
+            ours, logits = _decode(attached.model, spec["prompts"], int(spec.get("max_new_tokens", 16)))
+            _say({"event": "decoded", "tokens": ours, "logits_sha256": _logits_digest(logits),
+                  "daemon_lost": attached.daemon_lost})
+        elif line.strip() == "exit":
+            break
+    attached.close()
+    return {"served": True, "access": access}
+
+
 def main() -> int:
     spec = json.loads(sys.argv[1])
-    action = {"attach": attach, "hf": hf, "watch": watch, "tp_slices": tp_slices}[spec["action"]]
+    action = {"attach": attach, "hf": hf, "watch": watch, "tp_slices": tp_slices, "adopt": adopt,
+              "allocate_deposit": allocate_deposit, "deposit_from_daemon": deposit_from_daemon,
+              "write_byte": write_byte, "hf_fd": hf_fd, "hf_serve": hf_serve}[spec["action"]]
     try:
         _say({"event": "result", **action(spec)})
     except Exception as exc:  # reported, not hidden: the test asserts on it

@@ -67,3 +67,33 @@ def probe(spec: dict[str, Any], timeout_s: float = 600.0, env: dict[str, str] | 
 def spec_for(ready: dict[str, Any], checkpoint: Path, action: str, **extra: Any) -> dict[str, Any]:
     return {"action": action, "checkpoint": str(checkpoint), "digest": ready["digest"],
             "socket_dir": ready["socket_dir"], **extra}
+
+
+HOLDER = Path(__file__).with_name("fd_holder.py")
+
+
+@contextmanager
+def fd_holder() -> Iterator[tuple[str, dict[str, Any]]]:
+    """A stand-in fd store (``fd_holder.py``: stdlib only, no CUDA) until the
+    block ends; yields its socket path and its first line."""
+    from fd_holder import request
+
+    where = Path(tempfile.mkdtemp(prefix="pgh-"))  # short: AF_UNIX paths stop at 108 bytes
+    os.chmod(where, 0o700)
+    path = str(where / "holder.sock")
+    proc = subprocess.Popen([sys.executable, str(HOLDER), path], stdout=subprocess.PIPE, text=True, env=probe_env())
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())
+        yield path, first
+    finally:
+        try:
+            request(path, {"cmd": "exit"})
+        except OSError:
+            pass
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(where, ignore_errors=True)

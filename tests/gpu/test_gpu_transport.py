@@ -28,7 +28,8 @@ def shared_daemon(synthetic_ckpt: Path):
 def test_engine_maps_the_arena_with_equal_values_and_no_second_copy(shared_daemon, synthetic_ckpt: Path) -> None:
     r = probe(spec_for(shared_daemon, synthetic_ckpt, "attach", verify=True, compare_disk=True))
     assert r["event"] == "result", r
-    assert r["descriptor_kind"] == "cuda" and r["descriptor_mode"] == "arena"
+    assert r["descriptor_kind"] == "cuda" and r["descriptor_mode"] == "vmm"
+    assert r["ptr_equal"] is True  # zero copy, by pointer: every view is the mapping plus its offset
     assert r["tensors"] == 16 and r["bytes"] >= 2 << 30
     assert r["equal_to_disk"] is True
     assert r["verify"] == "ok" and r["checksums"] == 16

@@ -46,6 +46,7 @@ CASES = [
     ("gpu_checksum", "reps", "0", "is not a positive integer", "1"),
     ("gpu_daemon_attach", "tensors", "1e3", "is not an integer", "40"),
     ("gpu_daemon_attach", "reps", "-1", "is not a positive integer", "2"),
+    ("gpu_readopt", "tensors", "x", "is not an integer", "40"),
     ("gate_selftest", "mutations", "bogus", "unknown mutation bogus", "identical_copy,zeroed_norm"),
     ("gate_selftest", "jobs", "0", "is not a positive integer", "2"),
     ("gate_ray", "mutations", "bogus", "unknown mutation bogus", "identical_copy"),

@@ -228,3 +228,18 @@ def test_triton_backend_refuses_when_unusable() -> None:
         pytest.skip("this machine can run the kernel")
     with pytest.raises(RuntimeError, match="triton checksum needs CUDA"):
         checksum_tensors(tensors, layout, backend="triton")
+
+
+def test_arena_checksums_equal_the_per_tensor_ones_and_name_what_changed() -> None:
+    """The re-adoption proof's path (an adopted arena's own base, no views to
+    check) gives the same checksums; a written tensor and an unrecorded one
+    are named (control: the untouched arena names nothing)."""
+    layout, base, tensors = _arena(SPECS)
+    recorded = ck.checksum_tensors(tensors, layout, backend="torch")
+    assert ck.arena_checksums(base, layout) == recorded
+    assert ck.changed_tensors(ck.arena_checksums(base, layout), layout, recorded) == []
+    first = layout.entries[0]
+    base[first.offset] ^= 1
+    partial = {k: v for k, v in recorded.items() if k != layout.entries[1].name}
+    assert ck.changed_tensors(ck.arena_checksums(base, layout), layout, partial) == [
+        first.name, f"{layout.entries[1].name} (no checksum from the daemon)"]

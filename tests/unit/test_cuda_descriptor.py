@@ -10,8 +10,8 @@ import torch
 
 from pgbase.errors import WeightCacheUnavailableError
 from preload.transports import get_transport, transport_for
-from preload.transports.base import Layout
-from preload.transports.cuda import ARENA, PER_TENSOR, CudaTransport, IpcHandle, parse_descriptor
+from preload.transports.base import AdoptError, Layout
+from preload.transports.cuda import CudaTransport, VmmDescriptor, parse_descriptor
 
 pytestmark = pytest.mark.unit
 
@@ -19,38 +19,24 @@ LAYOUT = Layout.plan([
     ("a", torch.bfloat16, (16, 8), "param"),
     ("b", torch.float32, (3,), "param"),
 ])
+GRAN = 2 << 20
 
 
-def _handle(size: int = LAYOUT.total_bytes) -> IpcHandle:
-    return IpcHandle(
-        handle=os.urandom(64) + b"\x00\xff", storage_size=size, storage_offset=512,
-        ref_counter=b"/torch_123_456", ref_counter_offset=7, event=os.urandom(64), event_sync_required=True,
-    )
-
-
-def _descriptor(mode: str = ARENA, handles: list[IpcHandle] | None = None) -> dict:
-    if handles is None:
-        handles = [_handle()] if mode == ARENA else [_handle(e.nbytes) for e in LAYOUT.entries]
+def _descriptor() -> dict:
     return {
-        "kind": "cuda", "mode": mode, "size": LAYOUT.total_bytes, "gpu_uuid": "GPU-1234",
-        "device_index": 0, "pid": 1, "handles": [h.to_json() for h in handles],
+        "kind": "cuda", "mode": "vmm", "size": LAYOUT.total_bytes, "alloc_bytes": GRAN, "granularity": GRAN,
+        "gpu_uuid": "GPU-1234", "device_index": 0, "pid": 1,
     }
 
 
-@pytest.mark.parametrize("mode", [ARENA, PER_TENSOR])
-def test_descriptor_survives_json_byte_for_byte(mode: str) -> None:
-    desc = _descriptor(mode)
-    wire = json.loads(json.dumps(desc))  # what the protocol does to it
-    got_mode, uuid, handles = parse_descriptor(wire, LAYOUT)
-    assert (got_mode, uuid) == (mode, "GPU-1234")
-    assert [h.to_json() for h in handles] == desc["handles"]
-    original = _handle()
-    assert IpcHandle.from_json(json.loads(json.dumps(original.to_json()))) == original
+def test_descriptor_survives_json() -> None:
+    wire = json.loads(json.dumps(_descriptor()))  # what the protocol does to it
+    d = parse_descriptor(wire, LAYOUT)
+    assert d == VmmDescriptor("cuda", "vmm", "GPU-1234", LAYOUT.total_bytes, GRAN, GRAN)
 
 
 def _broken(change: str) -> dict:
     desc = _descriptor()
-    h = desc["handles"][0]
     if change == "kind":
         desc["kind"] = "shm"
     elif change == "mode":
@@ -61,20 +47,14 @@ def _broken(change: str) -> dict:
         desc["gpu_uuid"] = ""
     elif change == "size":
         desc["size"] = LAYOUT.total_bytes + 256
-    elif change == "count":
-        desc["handles"].append(dict(h))
-    elif change == "base64":
-        h["handle"] = "not base64!"
     elif change == "bool_as_int":
-        h["storage_offset"] = True
-    elif change == "negative":
-        h["storage_offset"] = -1
-    elif change == "unknown_field":
-        h["__reduce__"] = "os.system"
-    elif change == "small_storage":
-        h["storage_size"] = LAYOUT.total_bytes - 1
-    elif change == "missing_field":
-        del h["event"]
+        desc["alloc_bytes"] = True
+    elif change == "zero_granularity":
+        desc["granularity"] = 0
+    elif change == "not_granular":
+        desc["alloc_bytes"] = GRAN + 4096
+    elif change == "legacy_ipc":
+        desc.update(mode="arena", handles=[{"handle": "AP8QaXBj"}])
     return desc
 
 
@@ -83,18 +63,24 @@ def _broken(change: str) -> dict:
     [
         # Shape errors are msgspec's: the message names the path.
         ("kind", "not cuda"), ("mode", r"'pickled' - at `\$.mode`"), ("uuid", "field `gpu_uuid`"),
-        ("empty_uuid", r"length >= 1 - at `\$.gpu_uuid`"),
-        ("size", "the layout needs"), ("count", "needs 1 handle"),
-        ("base64", r"base64 encoded string - at `\$.handles\[0\].handle`"),
-        ("bool_as_int", r"got `bool` - at `\$.handles\[0\].storage_offset`"),
-        ("negative", r">= 0 - at `\$.handles\[0\].storage_offset`"),
-        ("unknown_field", "unknown field `__reduce__`"),
-        ("small_storage", "shared storage holds"), ("missing_field", "field `event`"),
+        ("empty_uuid", r"length >= 1 - at `\$.gpu_uuid`"), ("size", "the layout needs"),
+        ("bool_as_int", r"got `bool` - at `\$.alloc_bytes`"), ("zero_granularity", r">= 1 - at `\$.granularity`"),
+        ("not_granular", "in granules of"),
+        ("legacy_ipc", "torch IPC handle .* restart the daemon"),
     ],
 )
 def test_malformed_descriptors_are_refused_by_name(change: str, message: str) -> None:
     with pytest.raises(WeightCacheUnavailableError, match=message):
         parse_descriptor(_broken(change), LAYOUT)
+    # adopt asks the same questions and answers with the contract's error type
+    with pytest.raises(AdoptError, match=message):
+        parse_descriptor(_broken(change), LAYOUT, AdoptError)
+
+
+def test_an_allocation_smaller_than_the_arena_is_refused() -> None:
+    desc = dict(_descriptor(), alloc_bytes=256, granularity=256, size=LAYOUT.total_bytes)
+    with pytest.raises(WeightCacheUnavailableError, match="cannot hold"):
+        parse_descriptor(desc, LAYOUT)
 
 
 def test_control_the_unbroken_descriptor_parses() -> None:
@@ -104,6 +90,7 @@ def test_control_the_unbroken_descriptor_parses() -> None:
 def test_transport_is_selectable_by_name_and_imports_without_cuda() -> None:
     t = get_transport("cuda")
     assert isinstance(t, CudaTransport) and t.name == "cuda"
+    assert t.proof_needs_checksums is True  # device memory has no seal: the proof recomputes checksums
 
 
 @pytest.mark.parametrize(("kind", "can_write"), [("cuda", True), ("shm", False)])
@@ -121,10 +108,24 @@ def test_a_descriptor_of_no_known_transport_is_refused() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
-def test_attach_without_cuda_says_so_and_closes_fds() -> None:
+@pytest.mark.parametrize("nfds", [1, 2])
+def test_attach_without_cuda_says_so_and_closes_fds(nfds: int) -> None:
+    pipes = [os.pipe() for _ in range(nfds)]
+    match = "no CUDA device" if nfds == 1 else "exactly one fd, got 2"
+    with pytest.raises(WeightCacheUnavailableError, match=match):
+        CudaTransport().attach(_descriptor(), [r for r, _ in pipes], LAYOUT)
+    for r, w in pipes:
+        with pytest.raises(OSError):
+            os.close(r)  # attach closed it
+        os.close(w)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
+@pytest.mark.parametrize("desc,match", [(_descriptor(), "no CUDA device"), ({"kind": "shm"}, "not cuda")])
+def test_adopt_refuses_with_the_contracts_error_and_closes_the_fd(desc: dict, match: str) -> None:
     r, w = os.pipe()
-    with pytest.raises(WeightCacheUnavailableError, match="no CUDA device"):
-        CudaTransport().attach(_descriptor(), [r], LAYOUT)
+    with pytest.raises(AdoptError, match=match):
+        CudaTransport().adopt(desc, [r], LAYOUT)
     with pytest.raises(OSError):
-        os.close(r)  # attach closed it
+        os.close(r)
     os.close(w)
