@@ -3,9 +3,10 @@
     python scripts/ray_sizing.py BENCH.json [--nodes 1,4,14]
     python scripts/ray_sizing.py --cached-s 40 --reference-s 45 --daemon-s 60 [--nodes 1,4,14]
 
-BENCH.json: what ``preload-gate bench gate_ray --json`` printed (its ``ray``
-run's per-engine wall seconds and daemon start are the measured times; the
-medians are used). For a model that needs one node per engine (a 70B at
+BENCH.json: what ``preload-gate bench gate_ray --json`` printed: the medians
+of its ``local`` run's per-engine wall seconds and its daemon start (each
+engine alone on the machine, as an engine that has its node to itself;
+``--run ray`` takes the cluster run's, two engines sharing two cores). For a model that needs one node per engine (a 70B at
 TP=8 on 8-GPU nodes) every engine takes a whole node, so a node runs one
 engine at a time; the simulation follows the gate's Ray executor
 (harness/gate/ray_executor.py): a daemon starts on every node at once, the
@@ -56,11 +57,11 @@ def wall(nodes: int, n_cases: int, cached_s: float, reference_s: float, daemon_s
     return end
 
 
-def measured(bench: Path) -> tuple[float, float, float]:
+def measured(bench: Path, which: str = "local") -> tuple[float, float, float]:
     rows = json.loads(bench.read_text())
     rows = rows.get("results", rows) if isinstance(rows, dict) else rows
     (row,) = [r for r in rows if r.get("row") == "gate_ray"]
-    run = row["details"]["runs"]["ray"]
+    run = row["details"]["runs"][which]
     by = {k: [e["seconds"] for e in run["engines"] if e["kind"] == k] for k in ("cached", "reference")}
     return statistics.median(by["cached"]), statistics.median(by["reference"]), float(run["daemon_start_seconds"])
 
@@ -72,9 +73,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--reference-s", type=float)
     p.add_argument("--daemon-s", type=float)
     p.add_argument("--nodes", default="1,4,14")
+    p.add_argument("--run", choices=("local", "ray"), default="local", help="which run of BENCH.json")
     a = p.parse_args(argv)
     if a.bench is not None:
-        cached_s, reference_s, daemon_s = measured(a.bench)
+        cached_s, reference_s, daemon_s = measured(a.bench, a.run)
     elif None not in (a.cached_s, a.reference_s, a.daemon_s):
         cached_s, reference_s, daemon_s = a.cached_s, a.reference_s, a.daemon_s
     else:

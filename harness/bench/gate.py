@@ -109,7 +109,11 @@ def gate_ray(options: BenchOptions) -> list[BenchResult]:
                 raise BenchError(f"gate_ray: the {label} self-test's verdict is {report.verdict}; see why with: "
                                  f"preload-gate gate TINY --mutations {mutations}"
                                  f"{' --ray ADDRESS' if label == 'ray' else ''} --report DIR")
-            runs[label] = {"seconds": seconds, "cluster_start_seconds": cluster_s, "counts": report.counts,
+            verdicts = {c.name: (c.status, c.verdict.outcome if c.verdict else None) for c in report.cases}
+            if label == "ray" and verdicts != runs["local"]["verdicts"]:
+                raise BenchError(f"gate_ray: the cluster's verdicts {verdicts} differ from the local run's "
+                                 f"{runs['local']['verdicts']}")
+            runs[label] = {"seconds": seconds, "verdicts": verdicts, "cluster_start_seconds": cluster_s, "counts": report.counts,
                            "engines": engine_seconds(report), "daemon_start_seconds": daemon_seconds(report),
                            "loadavg_1m_before": load_before}
     finally:

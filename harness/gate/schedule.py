@@ -146,7 +146,7 @@ def run_jobs(jobs: Sequence[EngineJob], executor: Executor, refs: ReferenceCache
             note("engine-start", f"{job.kind} {job.label}")
             t0 = time.monotonic()
             out = executor.run(job)
-            where = f" on {out.node}" if out.node else ""
+            where = f" on node {out.node[:12]}" if out.node else ""
             state = "ok" if out.result.ok else ("not run" if out.not_run else "failed")
             note("engine-done", f"{job.kind} {job.label}{where} ({len(done) + 1}/{total}, {state}, "
                  f"{time.monotonic() - t0:.0f} s)")

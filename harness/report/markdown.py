@@ -64,14 +64,15 @@ def _placement(report: dict[str, Any]) -> list[str]:
     ex = report.get("executor") or {}
     if ex.get("kind") != "ray":
         return []
-    lines = ["", f"## Where each engine ran (Ray cluster {ex.get('address')}, {len(ex.get('nodes', []))} nodes)", "",
+    lines = ["", f"## Where each engine ran (Ray cluster {ex.get('address')}, {len(ex.get('nodes', []))} node(s); "
+             "node ids to 12 characters, whole in report.json)", "",
              "| case | cached engine's node | reference's node | attempts that did not answer |", "|---|---|---|---|"]
     for x in report["cases"]:
         where = x.get("placement") or {}
         cached, ref = where.get("cached") or {}, where.get("reference") or {}
         failed = [a.get("why", "") for w in (cached, ref) for a in w.get("attempts", []) if a.get("why")]
-        ref_node = "reused" if ref.get("reused") else (ref.get("node") or "-")
-        lines.append(f"| {x['name']} | {cached.get('node') or '-'} | {ref_node} | {_cell('; '.join(failed))} |")
+        ref_node = "reused" if ref.get("reused") else (ref.get("node") or "-")[:12]
+        lines.append(f"| {x['name']} | {(cached.get('node') or '-')[:12]} | {ref_node} | {_cell('; '.join(failed))} |")
     return lines
 
 
