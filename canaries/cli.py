@@ -57,7 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "version is then what the completion response says, or unknown")
     c.add_argument("--checkpoint", default=None,
                    help="the checkpoint directory the replicas serve: refuse a golden recorded for "
-                        "another config.json or tokenizer")
+                        "another config.json or other answer files (tokenizer, chat template, "
+                        "generation_config.json, processor), named file by file")
     fit = c.add_argument_group("deployment settings the replicas serve (as vllm serve takes them; "
                                "a golden recorded under others is refused; unstated ones are not compared)")
     add_arguments(fit, stated_only=True)
@@ -204,7 +205,8 @@ def _check(args: argparse.Namespace) -> int:
 
         raise UnkeyedGoldenError(["config_digest"])
     if not report.ok and args.checkpoint is None:
-        # Without the served folder the config and tokenizer were never compared.
-        print("note: config.json and tokenizer were not compared with the golden's (no --checkpoint); "
-              "pass --checkpoint DIR to rule out a config or tokenizer change", file=sys.stderr)
+        # Without the served folder config.json and the answer files were never compared.
+        print("note: config.json and the answer files (tokenizer, chat template, generation_config.json) "
+              "were not compared with the golden's (no --checkpoint); pass --checkpoint DIR to rule out "
+              "a change in them", file=sys.stderr)
     return 0 if report.ok else 1

@@ -2,7 +2,9 @@
 
 A golden file is keyed by everything that decides the answers, and means
 nothing outside it: the checkpoint's content digest (``preload.identity``),
-its config.json and tokenizer digests (a RoPE fix edits only config.json),
+its config.json digest (a RoPE fix edits only config.json) and the digest of
+every other file that decides answers (tokenizer, chat templates, generation
+defaults, processors: ``preload.identity.answer_files``), file by file,
 the deployment settings the engine ran with (dtype, parallelism, max model
 length, quantization, KV-cache dtype: ``preload.deployment``), the sampling
 settings, and the vLLM version that produced it. ``record`` captures one
@@ -41,6 +43,7 @@ from pgbase.errors import PreloadGateError
 from pgbase.procs import stop_group
 from pgbase.shards import shard_paths
 from preload.deployment import DeploymentSettings, SettingsError, answer_identity
+from preload.identity.answer_files import valid_name
 from preload.identity.digest import content_digest
 from preload.identity.filestat import FileStat
 
@@ -113,12 +116,18 @@ class Golden:
     # None in goldens written before these were recorded: then not compared.
     settings: DeploymentSettings | None = None
     config_digest: str | None = None
+    # {relative path: sha256 hex} of the answer files (answer_identity).
+    # None in goldens written before it: canaries.fit refuses those by name
+    # wherever it compares files, since what they cover cannot be told.
+    answer_files: dict[str, str] | None = None
+    # What goldens before answer_files recorded (a digest over a fixed list
+    # of tokenizer file names, no chat_template.jinja): read, never written.
     tokenizer_digest: str | None = None
 
     def key(self) -> dict[str, Any]:
-        """What this golden is valid for: content, config, tokenizer, settings, sampling, vLLM version."""
+        """What this golden is valid for: content, config, answer files, settings, sampling, vLLM version."""
         return {"digest": self.digest, "config_digest": self.config_digest,
-                "tokenizer_digest": self.tokenizer_digest,
+                "answer_files": self.answer_files, "tokenizer_digest": self.tokenizer_digest,
                 "settings": self.settings.to_json() if self.settings else None,
                 "sampling": asdict(self.sampling), "vllm_version": self.vllm_version}
 
@@ -154,6 +163,7 @@ class Golden:
             golden, digest=read_digest(golden.digest, f"{source}: digest"),
             config_digest=_optional_digest(golden.config_digest, "config_digest", source),
             tokenizer_digest=_optional_digest(golden.tokenizer_digest, "tokenizer_digest", source),
+            answer_files=_answer_files(golden.answer_files, source),
         )
         for i, gp in enumerate(golden.prompts):
             _check_prompt(gp, golden.sampling, f"{source}: prompt {i}")
@@ -164,6 +174,18 @@ class Golden:
 
 def _optional_digest(value: str | None, name: str, source: str) -> str | None:
     return None if value is None else read_digest(value, f"{source}: {name}")
+
+
+def _answer_files(value: dict[str, str] | None, source: str) -> dict[str, str] | None:
+    """Each recorded name a path inside a checkpoint folder, each value a digest."""
+    if value is None:
+        return None
+    out = {}
+    for name, digest in value.items():
+        if not valid_name(name):
+            raise GoldenError(f"{source}: answer_files names {name!r}, not a path inside a checkpoint folder")
+        out[name] = read_digest(digest, f"{source}: answer_files[{name!r}]")
+    return out
 
 
 def _prompt_from_json(p: Any, sampling: Sampling, where: str) -> GoldenPrompt:
@@ -271,7 +293,7 @@ def record(
                 "resolved_dtype": result.get("resolved_dtype")},
         settings=settings,
         config_digest=identity["config_digest"],
-        tokenizer_digest=identity["tokenizer_digest"],
+        answer_files=identity["answer_files"],
         token_texts={str(k): str(v) for k, v in result["token_texts"].items()},
         recorded_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )

@@ -256,5 +256,9 @@ for a in "${DEPLOY_ARGS[@]}"; do deploy_args+=" $(q "$a")"; done
   echo "$VLLM_SERVE $(q "$CANDIDATE") --port $SERVE_PORT$engine_args --load-format verified_cache --model-loader-extra-config $(q "$EXTRA")"
   echo "# 3. after every replica start (exit 0 only if it answers exactly as the golden):"
   echo "$PG canary check --base-url http://127.0.0.1:$SERVE_PORT --golden $(q "$OUT/golden.json") --events-file $(q "$EVENTS") --checkpoint $(q "$CANDIDATE")$deploy_args"
+  if [[ -n "$BASE" ]]; then
+    echo "# 4. or, where replicas serve the base: roll them one at a time, each behind its canary, back onto the base on a failure (docs/rollout.md):"
+    echo "# $PG rollout --from $(q "$(cd "$BASE" && pwd -P)") --to $(q "$CANDIDATE") --gate-report $(q "$OUT/gate") --golden $(q "$OUT/golden.json") --replicas N --port $SERVE_PORT --$engine_args"
+  fi
 } > "$OUT/deploy.sh"
 cat "$OUT/deploy.sh"

@@ -215,5 +215,11 @@ def _demo(args: argparse.Namespace) -> int:
                     targets=tuple(t for t in args.targets.split(",") if t))
 
 
+def _register_rollout(sub: argparse._SubParsersAction) -> None:
+    from harness.rollout.cli import add_parser
+
+    add_parser(sub)
+
+
 # Verbs in the order --help lists them.
-_VERBS = [_register_bench, _register_gate, _register_demo]
+_VERBS = [_register_bench, _register_gate, _register_demo, _register_rollout]

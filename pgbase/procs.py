@@ -131,3 +131,34 @@ def _wait_exited(p: Any, wait_s: float) -> bool:
             return True
         if time.monotonic() >= deadline:
             return False
+
+
+def stop_pgid(pgid: int, *, term_s: float, kill_s: float) -> bool:
+    """:func:`stop_group` for a group whose leader is not our child: one a
+    process before us started as a session leader and recorded by pid (a
+    replica started by an earlier run of a rollout that was killed).
+
+    SIGTERM the group, wait up to ``term_s`` seconds for every member to go,
+    SIGKILL what is left and wait up to ``kill_s`` more; returns whether the
+    group is gone. A leader that is our child must go through
+    :func:`stop_group` instead (only a ``Popen`` reaps it, and an unreaped
+    leader keeps the group alive). Checking that ``pgid`` is still the
+    process meant (its start time) is the caller's part.
+    """
+    for sig, wait_s in ((signal.SIGTERM, term_s), (signal.SIGKILL, kill_s)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return True
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return True
+            time.sleep(POLL_S)
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False

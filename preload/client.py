@@ -150,6 +150,25 @@ class DaemonClient:
             raise ProtocolError(f"daemon answered ok for a different key (fields: {', '.join(wrong)})")
         return state
 
+    def report_attach(self, ok: bool = True, kind: str | None = None, detail: str = "") -> bool:
+        """Tell the daemon how the state it served last on this connection
+        ended: attached (``ok``: it counts a hit) or not (``kind``, one of
+        :data:`preload.protocol.ATTACH_FAILURE_KINDS`, and the reason). Every
+        get_state answered ok wants one report; a connection that closes
+        without it is counted as a failed attach.
+
+        A notification (no reply: one send, no round trip), so it never
+        fails a load: False, logged, when it could not be sent.
+
+        >>> state = c.get_state(key); model = build(state.attach()); c.report_attach()  # doctest: +SKIP
+        """
+        try:
+            protocol.send_frame(self.sock, protocol.attach_report(ok, kind, detail), (), self.deadline_s)
+        except (OSError, ProtocolError) as exc:
+            log.info("preload-gate: could not tell the daemon at %s how the attach ended: %s", self.path, exc)
+            return False
+        return True
+
     def get_memory(self) -> int:
         return int(self.request({"cmd": "get_memory"})["bytes"])
 

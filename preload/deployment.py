@@ -11,8 +11,9 @@ a canary check refuses a golden recorded under other settings by name.
 
 Beside the settings, :func:`answer_identity` names everything else that
 decides a model's answers and is not in the weights: ``config.json`` (RoPE
-settings, say) and the tokenizer files. Goldens and the gate's reference
-cache are keyed by both.
+settings, say) and the answer files (tokenizer, chat templates, generation
+defaults, processors, remote code: :mod:`preload.identity.answer_files`).
+Goldens and the gate's reference cache are keyed by both.
 
 >>> s = DeploymentSettings(dtype="float16", tensor_parallel_size=2)
 >>> s.engine_args()
@@ -24,28 +25,18 @@ cache are keyed by both.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from pgbase.cliargs import positive_int
 from pgbase.errors import PreloadGateError
 from pgbase.json_shape import convert
+from preload.identity.answer_files import answer_files
 from preload.identity.config import config_digest
 
 # What ``vllm serve`` (and an offline ``LLM``) use when the flag is absent.
 DEFAULT_DTYPE = "auto"
-
-# The files a tokenizer is built from (transformers' AutoTokenizer and
-# vLLM's own loaders read these). generation_config.json is left out: the
-# canary states every sampling setting, so the server's defaults never apply.
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "tekken.json",
-)
-
 
 class SettingsError(PreloadGateError):
     """Engine arguments that cannot be taken as deployment settings."""
@@ -149,22 +140,15 @@ def parse_engine_args(argv: list[str]) -> DeploymentSettings:
     return from_args(ns)
 
 
-def tokenizer_digest(checkpoint: str | os.PathLike[str]) -> str | None:
-    """SHA-256 over ``sha256sum``-style lines of the tokenizer files present; None if none."""
-    root = Path(checkpoint)
-    lines = []
-    for name in sorted(TOKENIZER_FILES):
-        p = root / name
-        if p.is_file():
-            lines.append(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {name}\n")
-    if not lines:
-        return None
-    return hashlib.sha256("".join(lines).encode()).hexdigest()
+def answer_identity(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
+    """What decides a checkpoint's answers besides its weights.
 
-
-def answer_identity(checkpoint: str | os.PathLike[str]) -> dict[str, str | None]:
-    """What decides a checkpoint's answers besides its weights: config and tokenizer digests."""
-    return {"config_digest": config_digest(checkpoint), "tokenizer_digest": tokenizer_digest(checkpoint)}
+    ``{"config_digest": hex or None, "answer_files": {relative path: sha256 hex}}``:
+    config.json in canonical form (:func:`preload.identity.config.config_digest`)
+    and every answer file present (:func:`preload.identity.answer_files.answer_files`).
+    Raises :class:`pgbase.errors.CheckpointError` for an unreadable config.json.
+    """
+    return {"config_digest": config_digest(checkpoint), "answer_files": answer_files(checkpoint)}
 
 
 def resolved_dtype(llm: Any) -> str | None:

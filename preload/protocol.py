@@ -19,6 +19,13 @@ Three bounds keep one bad peer from hurting the daemon:
   (ASCII, compact), byte for byte what earlier releases sent
   (tests/unit/test_wire_compat.py holds both directions).
 
+Every request gets one reply, except the notifications (``NOTIFICATIONS``):
+``attached``, the engine's report after a get_state, which the daemon never
+answers, so reporting costs the engine one send and no round trip. Version 2
+added it: a hit is counted when the engine reports its attach, not when the
+reply leaves, and a version-1 engine (which never reports) would be counted
+as failing every attach, so the handshake refuses it by name.
+
 Socket trust (directory modes, symlinks, peer uid) lives in
 ``preload.sockets``; the cache key in ``preload.identity.key``.
 """
@@ -32,7 +39,7 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
@@ -73,9 +80,37 @@ class Release(_Request, tag="release"): ...
 class Stats(_Request, tag="stats"): ...
 
 
+# Why an engine's attach failed after a get_state answered ok: it could not
+# build its model over the tensors, their resident checksums differ, or the
+# daemon serves another digest. "closed" is the daemon's own kind: the
+# connection closed before any report came (the engine died mid-attach).
+AttachFailureKind = Literal["attach", "verify", "digest"]
+ATTACH_FAILURE_KINDS: tuple[str, ...] = get_args(AttachFailureKind)
+CLOSED_BEFORE_REPORT = "closed"
+MAX_DETAIL_CHARS = 2000
+
+
+class Attached(_Request, tag="attached"):
+    """The engine's word on the state it was served last on this connection:
+    ``ok`` (its tensors are in use: the daemon counts a hit), or not, with a
+    ``kind`` and the engine's reason (``detail``). A notification: the daemon
+    never answers it, so it costs the engine one send; a bad one closes the
+    connection (an answer would be read as the reply to the next request)."""
+
+    ok: bool
+    kind: AttachFailureKind | msgspec.UnsetType = msgspec.UNSET
+    detail: Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)] | msgspec.UnsetType = msgspec.UNSET
+
+    def __post_init__(self) -> None:
+        if self.ok != (self.kind is msgspec.UNSET):
+            raise ValueError("kind is given exactly when ok is false")
+
+
 REQUESTS: dict[str, type[_Request]] = {
-    str(c.__struct_config__.tag): c for c in (Hello, GetState, GetMemory, Watch, Release, Stats)
+    str(c.__struct_config__.tag): c for c in (Hello, GetState, GetMemory, Watch, Release, Stats, Attached)
 }
+# Requests the daemon never answers.
+NOTIFICATIONS = frozenset({"attached"})
 
 
 class _Reply(msgspec.Struct, tag_field="status"):
@@ -255,6 +290,13 @@ def check_reply(body: dict[str, Any], cmd: str) -> dict[str, Any]:
     if isinstance(reply, _Error):
         raise ProtocolError(f"daemon refused {cmd}: {reply.error}")
     return body
+
+
+def attach_report(ok: bool, kind: str | None = None, detail: str = "") -> dict[str, Any]:
+    """The body of an :class:`Attached` report (``detail`` cut to MAX_DETAIL_CHARS)."""
+    if ok:
+        return {"cmd": "attached", "ok": True}
+    return {"cmd": "attached", "ok": False, "kind": kind or "attach", "detail": detail[:MAX_DETAIL_CHARS]}
 
 
 def hello_request(client: str, pid: int | None = None) -> dict[str, Any]:

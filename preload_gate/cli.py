@@ -46,6 +46,7 @@ VERBS: dict[str, Verb] = {
     "bench": Verb("harness.cli"),
     "gate": Verb("harness.cli"),
     "demo": Verb("harness.cli"),
+    "rollout": Verb("harness.cli"),
     "canary": Verb("canaries.cli"),
 }
 

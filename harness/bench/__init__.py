@@ -54,6 +54,7 @@ ROW_MODULES: dict[str, str] = {
     "harness.bench.gate": "",
     "harness.bench.load": "",
     "harness.bench.preflight": "",
+    "harness.bench.rollout": "",
 }
 
 

@@ -72,6 +72,7 @@ def gpu_daemon_attach(options: BenchOptions) -> list[BenchResult]:
                 t1 = time.perf_counter()
                 verify_resident(att.tensors, state.layout, getattr(state, "checksums", None) or {})
                 t2 = time.perf_counter()
+                client.report_attach()  # as an engine does once its weights are in use
                 client.close()
                 att.close()
                 del att, state

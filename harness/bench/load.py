@@ -97,6 +97,7 @@ def attach_many(socket_dir: Path, checkpoint: Path, digest: str, clients: int) -
         c = DaemonClient.connect(socket_dir, 0, client="load")
         try:
             att = c.get_state(key).attach()
+            c.report_attach()  # as an engine does once its model is built
         finally:
             c.close()
         seconds = time.perf_counter() - t0

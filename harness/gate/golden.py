@@ -1,7 +1,13 @@
-"""The golden canary file a passing promotion gate records for the deploy."""
+"""The golden canary file a passing promotion gate records for the deploy.
+
+The report names the golden's SHA-256 beside its path, so whoever believes
+the report (``preload-gate rollout``) can tell that a golden file is the one
+this gate recorded, not one copied in from elsewhere.
+"""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -25,4 +31,5 @@ def record_golden(opts: GateOptions, candidate: Path) -> dict[str, Any]:
         record(str(candidate), out, settings=d)
     except PreloadGateError as exc:
         return {"recorded": False, "note": f"golden recording failed: {exc}"}
-    return {"recorded": True, "path": str(out), "settings": d.to_json()}
+    return {"recorded": True, "path": str(out), "settings": d.to_json(),
+            "sha256": hashlib.sha256(out.read_bytes()).hexdigest()}

@@ -51,7 +51,8 @@ def _to_stderr(_stage: str, message: str) -> None:
 
 class ReferenceCache:
     """``auto`` results on disk, keyed by everything that decides them: the
-    candidate's content, config and tokenizer digests, the engine settings
+    candidate's content, config.json and answer-file digests
+    (:func:`preload.deployment.answer_identity`), the engine settings
     and the vLLM version (a config-only edit, e.g. RoPE, is another key).
 
     ``progress`` gets the "waiting for the reference of KEY" lines (stage

@@ -79,6 +79,12 @@ def fingerprint_matrix(report: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def render_template(name: str, **context: Any) -> str:
+    """Render one of ``harness/report/templates`` with this module's environment
+    (autoescaped, undefined names an error): the one place report HTML is made."""
+    return _env.get_template(name).render(**context)
+
+
 def render_html(report: dict[str, Any]) -> str:
     return _env.get_template("report.html.j2").render(
         report=report,

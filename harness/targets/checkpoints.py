@@ -4,8 +4,8 @@
   (safetensors shards, or the ``.bin``), in the project's checkpoint-digest
   form: the identity a cache must be judged against.
 - ``values_digest``: what an engine at a given dtype holds after loading:
-  every tensor cast to that dtype, by sorted name, plus the config and
-  tokenizer files. Two checkpoints with the same values digest give an
+  every tensor cast to that dtype, by sorted name, plus config.json and
+  the answer files (:mod:`preload.identity.answer_files`). Two checkpoints with the same values digest give an
   ``auto`` engine the same parameters, so one ``auto`` reference serves
   both (a ``.bin`` written in float32 from bf16 safetensors casts back to
   the same bf16 values). The tensors are read by safetensors and by
@@ -24,11 +24,8 @@ from fixtures.binformat import BIN_NAME, bin_path, bin_transform, is_bin, to_bin
 from fixtures.mutations import copy_checkpoint
 from harness.mutations import GateCase
 from pgbase.shards import shard_paths
+from preload.identity.answer_files import answer_files
 from preload.identity.digest import checkpoint_digest, content_digest, hash_file
-
-# Files besides the weights that decide what an engine computes.
-_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "chat_template.jinja")
 
 
 def weight_files(ckpt: str | os.PathLike[str]) -> list[Path]:
@@ -53,10 +50,11 @@ def values_digest(ckpt: str | os.PathLike[str], dtype: str = "bfloat16") -> str:
     target = None if dtype == "auto" else getattr(torch, dtype)
     h = hashlib.sha256()
     root = Path(ckpt)
-    for name in _SIDE_FILES:
-        p = root / name
-        if p.is_file():
-            h.update(f"{name}\0".encode() + hashlib.sha256(p.read_bytes()).digest())
+    # Besides the weights, what decides an engine's answers: config.json and
+    # the answer files, by the one rule goldens and references are keyed by.
+    side = {"config.json": hash_file(root / "config.json")} if (root / "config.json").is_file() else {}
+    for name, digest in sorted({**side, **answer_files(root)}.items()):
+        h.update(f"{name}\0".encode() + bytes.fromhex(digest))
     state: dict[str, torch.Tensor] = {}
     if is_bin(root):
         state = torch.load(bin_path(root), map_location="cpu", weights_only=True)

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from pgbase.cliargs import digest_arg, fixed_port, nonnegative_int, port, positive_int
-from pgbase.digest_text import short_digest
 from pgbase.errors import PreloadGateError
 from pgbase.shards import not_a_directory
 
@@ -153,30 +152,6 @@ def _preload(args: argparse.Namespace) -> int:
     return launcher.run(opts)
 
 
-def scan(root: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
-    """Every rank socket under the socket root (dirs ``<digest[:16]>``), answering or not."""
-    from preload.daemon.health import rank_stats
-    from preload.sockets import default_socket_root
-
-    base = Path(root or default_socket_root())
-    found: list[dict[str, Any]] = []
-    if not base.is_dir():
-        return found
-    for d in sorted(base.iterdir()):
-        if d.is_symlink() or not d.is_dir():
-            continue
-        for sock in sorted(d.glob("rank*.sock")):
-            s = rank_stats(sock)
-            row = {"socket": str(sock), "socket_root": str(base), "serving": s is not None, **(s or {})}
-            if s is None:
-                from preload.daemon.lock import lock_holder
-
-                # Stale only when nothing answers AND no live process holds the lock.
-                row["lock_holder"] = lock_holder(d, int(sock.stem.removeprefix("rank")))
-            found.append(row)
-    return found
-
-
 def _roots(args: argparse.Namespace) -> tuple[list[Path], list[dict[str, str]]]:
     """The roots to scan: the one asked for; else the default one and every
     root a live daemon registered (preload.daemon.registry), with refusals."""
@@ -192,21 +167,10 @@ def _roots(args: argparse.Namespace) -> tuple[list[Path], list[dict[str, str]]]:
     return list(dict.fromkeys([default_socket_root(), *registered])), refused
 
 
-def _not_a_socket(path: str) -> str | None:
-    """What stands at a rank's socket path when it is not a socket ("a
-    regular file", "a symlink", ...); None for a socket or nothing."""
-    import stat
-
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        return None
-    if stat.S_ISSOCK(mode):
-        return None
-    return "a symlink" if stat.S_ISLNK(mode) else "a regular file" if stat.S_ISREG(mode) else "a non-socket file"
-
-
 def _status(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from preload.daemon import status
     from preload.daemon.registry import registry_dir
     from preload.preflight import check_cache_root
     from preload.sockets import default_socket_root, legacy_socket_roots
@@ -214,45 +178,23 @@ def _status(args: argparse.Namespace) -> int:
     _use_cache_dir(args)
     check_cache_root(None)  # an unreadable one would hide its registry: refused, as preload and promote do
     roots, refused = _roots(args)
-    ranks = [r for root in roots for r in scan(root)]
+    ranks = [r for root in roots for r in status.scan(root)]
     # Daemons of older releases (or another session's $TMPDIR) live elsewhere: name them.
     elsewhere = [] if args.socket_root else [
-        r for root in legacy_socket_roots() if root not in roots for r in scan(root) if r["serving"]]
+        r for root in legacy_socket_roots() if root not in roots for r in status.scan(root) if r.serving]
+    status.check_disk(ranks)
+    report = status.StatusReport(socket_root=str(args.socket_root or default_socket_root()),
+                                 socket_roots=[str(r) for r in roots], registry=str(registry_dir()),
+                                 ranks=ranks, elsewhere=elsewhere, refused=refused)
     if args.json:
-        print(json.dumps({"socket_root": str(args.socket_root or default_socket_root()),
-                          "socket_roots": [str(r) for r in roots], "registry": str(registry_dir()),
-                          "ranks": ranks, "elsewhere": elsewhere, "refused": refused}, indent=2))
+        print(msgspec.json.format(msgspec.json.encode(report), indent=2).decode())
         return 0
-    for bad in refused:
-        print(f"note: not following {bad['path']}: {bad['error']}")
-    for r in elsewhere:
-        print(f"note: a daemon serves {short_digest(r['digest'])} under {Path(r['socket']).parent.parent}, not the "
-              f"socket root {default_socket_root()}; engines will not find it: restart it, or set "
-              "PRELOAD_GATE_SOCKET_ROOT to that directory everywhere")
+    lines = status.render(report, default_socket_root())
     if not ranks:
         where = (args.socket_root if args.socket_root else
                  f"{default_socket_root()} or any socket root registered in {registry_dir()} (a daemon "
                  "started with another PRELOAD_GATE_CACHE registers in its own; name its root with "
                  "--socket-root DIR)")
-        print(f"no preload daemons found under {where}")
-        return 0
-    default = default_socket_root()
-    for r in ranks:
-        if not r["serving"]:
-            holder = r.get("lock_holder")
-            kind = _not_a_socket(r["socket"])
-            if kind:  # a file or link in a socket's place: no daemon ever served through it
-                print(f"{r['socket']}: {kind}, not a socket: nothing serves here; remove it")
-            elif holder:
-                print(f"{r['socket']}: not answering, but pid {holder} holds its lock "
-                      "(a daemon starting, or hung): not stale")
-            else:
-                print(f"{r['socket']}: not answering and its lock is free (stale socket)")
-            continue
-        misses = sum(r["misses"].values())
-        # Engines find a daemon outside the default root only when told where it is.
-        where = "" if Path(r["socket_root"]) == default else f"  socket_root={r['socket_root']}"
-        print(f"{short_digest(r['digest'])} rank {r['rank']} pid {r['pid']} {r['stage']}/{r['transport']} "
-              f"{r['resident_bytes']} bytes, {r['attached']} attached, {r['hits']} hits, {misses} misses  "
-              f"{r['checkpoint']}{where}")
+        lines.append(f"no preload daemons found under {where}")
+    print("\n".join(lines))
     return 0

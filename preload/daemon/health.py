@@ -5,7 +5,18 @@ engine uses), so 200 means every rank answers on its socket now, not that a
 process merely exists. prometheus_client owns the exposition format: a
 :class:`RankCollector` in a registry private to the server (never the
 process-wide default one) turns the ranks' answers into metric families at
-scrape time, and ``generate_latest`` writes them.
+scrape time, and prometheus_client's own WSGI app (``make_wsgi_app``) answers
+``/metrics``: content negotiation (``Accept``, OpenMetrics included),
+``?name[]=`` filters and gzip are its rules, not ours.
+
+The HTTP side is the standard library's ``http.server`` (HTTP/1.1, so a load
+balancer's keep-alive connection stays open), answering the way any web server
+does: GET and HEAD (the same headers, no body) with or without a query string,
+OPTIONS, 405 with ``Allow`` for every other method, 404 for other paths, and
+the library's own 400/414/431/505 for malformed requests. A thread per
+connection, at most ``MAX_CONNECTIONS`` at once, and a deadline on each
+request's head (``HEAD_DEADLINE_S``), so a client that trickles its request
+loses its connection and never holds a probe up.
 
 The names and labels are what operators' dashboards read; they stay as they
 are even where Prometheus' naming advice would differ (``rank_up`` samples of
@@ -15,36 +26,61 @@ to report).
 
 from __future__ import annotations
 
+import logging
+import socket
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from pgbase.errors import PreloadGateError
+from pgbase.errors import PreloadGateError, ProtocolError
 from preload.client import DaemonClient
 
 PREFIX = "preload_gate_"
+PATHS = ("/health", "/metrics")
+ALLOWED_METHODS = ("GET", "HEAD", "OPTIONS")
+# The request line and headers must arrive within this from the first wait
+# (an idle keep-alive connection is closed after it too); each read or write
+# must progress within IO_TIMEOUT_S.
+HEAD_DEADLINE_S = 10.0
+IO_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 64
+
+log = logging.getLogger("preload.daemon")
 
 
-def rank_stats(socket_path: str | Path) -> dict[str, Any] | None:
-    """A rank's ``stats`` answer, or None when its socket does not answer."""
+def ask_rank(socket_path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
+    """A rank's ``stats`` answer, or ``(None, why)``: ``why`` is None when
+    nothing answers on the socket, else what the daemon that answered said
+    (a daemon of another release refuses our protocol version by name)."""
     p = Path(socket_path)
     rank = int(p.stem.removeprefix("rank"))
     try:
         c = DaemonClient.connect(p.parent, rank, timeout_s=2.0, deadline_s=5.0, client="preload-gate-health")
+    except ProtocolError as exc:
+        return None, str(exc)
     except PreloadGateError:
-        return None
+        return None, None
     try:
-        return c.stats()
+        return c.stats(), None
+    except ProtocolError as exc:
+        return None, str(exc)
     except PreloadGateError:
-        return None
+        return None, None
     finally:
         c.close()
+
+
+def rank_stats(socket_path: str | Path) -> dict[str, Any] | None:
+    """A rank's ``stats`` answer, or None when its socket does not answer it."""
+    return ask_rank(socket_path)[0]
 
 
 def metric_families(stats: Sequence[dict[str, Any] | None], sockets: Sequence[str]) -> list[Metric]:
@@ -52,15 +88,18 @@ def metric_families(stats: Sequence[dict[str, Any] | None], sockets: Sequence[st
     rank did not answer), in the order of ``sockets``.
 
     ``rank_up`` (gauge, 1/0) per socket; per answering rank, labelled
-    ``rank`` and ``digest``: ``hits_total`` and ``misses_total`` (counters,
-    the latter by ``reason``), ``attached_engines``, ``resident_bytes`` and
-    ``load_seconds`` (gauges).
+    ``rank`` and ``digest``: ``hits_total``, ``misses_total`` (by ``reason``)
+    and ``attach_failures_total`` (by ``kind``) (counters),
+    ``attached_engines``, ``resident_bytes`` and ``load_seconds`` (gauges).
     """
     base_labels = ["rank", "digest"]
     up = GaugeMetricFamily(PREFIX + "rank_up", "1 when the rank answers on its socket")
-    hits = CounterMetricFamily(PREFIX + "hits_total", "get_state answers that matched the key", labels=base_labels)
-    misses = CounterMetricFamily(PREFIX + "misses_total", "get_state answers that did not, by reason",
+    hits = CounterMetricFamily(PREFIX + "hits", "attaches the engine reported done after a get_state that matched",
+                               labels=base_labels)
+    misses = CounterMetricFamily(PREFIX + "misses", "get_state answers that did not match, by reason",
                                  labels=[*base_labels, "reason"])
+    failures = CounterMetricFamily(PREFIX + "attach_failures", "get_state answers that matched whose attach then "
+                                   "failed, by kind (closed: no report came)", labels=[*base_labels, "kind"])
     attached = GaugeMetricFamily(PREFIX + "attached_engines", "engines holding a watch connection", labels=base_labels)
     resident = GaugeMetricFamily(PREFIX + "resident_bytes", "bytes held in the rank's arena", labels=base_labels)
     load = GaugeMetricFamily(PREFIX + "load_seconds", "seconds the rank took to read, hash and place its weights",
@@ -75,10 +114,12 @@ def metric_families(stats: Sequence[dict[str, Any] | None], sockets: Sequence[st
         hits.add_metric(base, s["hits"])
         for reason, n in sorted(s["misses"].items()):
             misses.add_metric([*base, str(reason)], n)
+        for kind, n in sorted(s["attach_failures"].items()):
+            failures.add_metric([*base, str(kind)], n)
         attached.add_metric(base, s["attached"])
         resident.add_metric(base, s["resident_bytes"])
         load.add_metric(base, s["load_seconds"])
-    return [up, hits, misses, attached, resident, load]
+    return [up, hits, misses, failures, attached, resident, load]
 
 
 class RankCollector(Collector):
@@ -91,6 +132,11 @@ class RankCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from metric_families([rank_stats(s) for s in self.sockets], self.sockets)
 
+    def describe(self) -> Iterator[Metric]:
+        # The families' names without asking a rank: the registry learns them at
+        # registration, so ``?name[]=`` filters find this collector.
+        yield from metric_families([], [])
+
 
 def metrics_registry(sockets: Sequence[str]) -> CollectorRegistry:
     """A registry of its own holding only the ranks' collector: the default
@@ -100,39 +146,179 @@ def metrics_registry(sockets: Sequence[str]) -> CollectorRegistry:
     return registry
 
 
+class _Deadlines:
+    """One thread that shuts down connections whose request head is late:
+    a socket timeout bounds each read, not a request trickled a byte at a time."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._due: dict[socket.socket, float] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="health-deadlines", daemon=True)
+        self._thread.start()
+
+    def arm(self, conn: socket.socket, seconds: float) -> None:
+        with self._cv:
+            self._due[conn] = time.monotonic() + seconds
+            self._cv.notify()
+
+    def disarm(self, conn: socket.socket) -> None:
+        with self._cv:
+            self._due.pop(conn, None)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        with self._cv:
+            while not self._stopped:
+                now = time.monotonic()
+                for conn in [c for c, t in self._due.items() if t <= now]:
+                    del self._due[conn]
+                    try:
+                        conn.shutdown(socket.SHUT_RDWR)  # the blocked read returns; the handler closes
+                    except OSError:
+                        pass
+                self._cv.wait(min(self._due.values(), default=now + 3600) - now)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = MAX_CONNECTIONS
+
+    def __init__(self, address: tuple[str, int], sockets: list[str]) -> None:
+        # The family of what the host resolves to (an IPv6 --health-host binds too).
+        self.address_family = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM,
+                                                 flags=socket.AI_PASSIVE)[0][0]
+        self.sockets = sockets
+        self.metrics_app = make_wsgi_app(metrics_registry(sockets))
+        self.deadlines = _Deadlines()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):  # full: refuse this one, keep serving the others
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that vanished mid-answer is routine for a probe server: no traceback on stderr.
+        log.debug("health: request from %s failed", client_address, exc_info=True)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive for load balancers; 1.0 clients are answered as 1.0 wants
+    server_version = "preload-gate-health"
+    timeout = IO_TIMEOUT_S
+    server: _Server
+
+    def handle_one_request(self) -> None:
+        self.server.deadlines.arm(self.connection, HEAD_DEADLINE_S)
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.deadlines.disarm(self.connection)
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()  # reads the headers
+        self.server.deadlines.disarm(self.connection)  # the answer may take a rank's timeout
+        return ok
+
+    def __getattr__(self, name: str) -> Any:
+        # http.server dispatches to do_<METHOD> and answers 501 where there is
+        # none; a server answers a method its resource does not allow with 405.
+        if name.startswith("do_"):
+            return self._not_allowed
+        raise AttributeError(name)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        path = self._route()
+        if path == "/health":
+            ok = all(rank_stats(s) is not None for s in self.server.sockets)
+            self._send(200 if ok else 503, b"ok\n" if ok else b"unavailable\n",
+                       [("Content-Type", "text/plain; charset=utf-8"), ("Cache-Control", "no-store")])
+        elif path == "/metrics":
+            self._metrics()
+
+    do_HEAD = do_GET  # the same status and headers; _send leaves the body out
+
+    def do_OPTIONS(self) -> None:  # noqa: N802
+        if self.path == "*" or self._route():
+            self._send(204, b"", [("Allow", ", ".join(ALLOWED_METHODS))])
+
+    def _not_allowed(self) -> None:
+        if self._route():
+            self._send(405, f"method {self.command} is not allowed; use GET or HEAD\n".encode(),
+                       [("Content-Type", "text/plain; charset=utf-8"), ("Allow", ", ".join(ALLOWED_METHODS))])
+
+    def _route(self) -> str | None:
+        """The request's path if it is ours (query string and an absolute
+        form's scheme and host set aside); else 404 sent and None."""
+        path = urlsplit(self.path).path
+        if path in PATHS:
+            return path
+        self._send(404, f"not found: {path}; this server answers {' and '.join(PATHS)}\n".encode(),
+                   [("Content-Type", "text/plain; charset=utf-8")])
+        return None
+
+    def _metrics(self) -> None:
+        """prometheus_client's own WSGI app, asked as a GET (a HEAD gets its headers)."""
+        environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics", "QUERY_STRING": urlsplit(self.path).query,
+                   "HTTP_ACCEPT": self.headers.get("Accept", ""),
+                   "HTTP_ACCEPT_ENCODING": self.headers.get("Accept-Encoding", "")}
+        answer: dict[str, Any] = {}
+
+        def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> None:
+            answer["code"], answer["headers"] = int(status.split()[0]), headers
+
+        body = b"".join(self.server.metrics_app(environ, start_response))
+        self._send(answer["code"], body, answer["headers"])
+
+    def _send(self, code: int, body: bytes, headers: list[tuple[str, str]]) -> None:
+        self.send_response(code)
+        for name, value in headers:
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        if self.headers.get("Content-Length", "0").strip() != "0" or "Transfer-Encoding" in self.headers:
+            # A request body we never read would be parsed as the next request.
+            self.close_connection = True
+        if self.close_connection:  # asked for (Connection: close, HTTP/1.0) or ours: said, as HTTP/1.1 wants
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
+        log.debug("health: " + format, *args)
+
+
 class HealthServer:
-    """``GET /health`` (200 ``ok`` when every rank answers, else 503) and
-    ``GET /metrics`` on ``host:port`` (port 0: any free port, see ``port``)."""
+    """``/health`` (200 ``ok`` when every rank answers, else 503) and
+    ``/metrics`` on ``host:port`` (port 0: any free port, see ``port``).
+
+    >>> h = HealthServer("127.0.0.1", 0, ["/tmp/pg/ab12/rank0.sock"]); h.start()  # doctest: +SKIP
+    >>> urllib.request.urlopen(f"http://127.0.0.1:{h.port}/health").status  # doctest: +SKIP
+    200
+    """
 
     def __init__(self, host: str, port: int, sockets: list[str]) -> None:
-        sockets = list(sockets)
-        registry = metrics_registry(sockets)
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                if self.path == "/health":
-                    ok = all(rank_stats(s) is not None for s in sockets)
-                    body = (b"ok\n" if ok else b"unavailable\n")
-                    self._send(200 if ok else 503, body, "text/plain")
-                elif self.path == "/metrics":
-                    self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
-                else:
-                    self._send(404, b"not found\n", "text/plain")
-
-            def _send(self, code: int, body: bytes, ctype: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
-        self._httpd.daemon_threads = True
+        self._httpd = _Server((host, port), list(sockets))
         self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="health", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -140,3 +326,4 @@ class HealthServer:
     def stop(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
+        self._httpd.deadlines.stop()

@@ -15,13 +15,12 @@ import socket
 import threading
 import time
 import uuid
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pgbase.errors import PreloadGateError, ProtocolError
 from preload import protocol
+from preload.daemon.counters import RankStats, Session
 from preload.daemon.home import HomeWatch, inode_of, remove_if_empty, unlink_if
 from preload.daemon.lock import RankBusyError, RankLock, socket_answers
 from preload.daemon.stage import Filled
@@ -31,16 +30,6 @@ from preload.sockets import ensure_private_dir, socket_path, verify_peer, verify
 log = logging.getLogger("preload.daemon")
 
 MAX_CONNECTIONS = 256
-
-
-@dataclass
-class RankStats:
-    hits: int = 0
-    misses: Counter[str] = field(default_factory=Counter)
-    attached: int = 0
-    requests: int = 0
-    bad_frames: int = 0
-    releases: int = 0
 
 
 class RankServer:
@@ -128,7 +117,8 @@ class RankServer:
         the first engine to attach.
         """
         key = self.key.to_json()
-        for body in (protocol.hello_request("self-check"), {"cmd": "get_state", "key": key}):
+        for body in (protocol.hello_request("self-check"), {"cmd": "get_state", "key": key},
+                     protocol.attach_report(False, "attach", "self-check")):
             protocol.check_request(body)
         try:
             parsed = WeightCacheKey.from_json(key)
@@ -210,6 +200,7 @@ class RankServer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        session: Session | None = None
         try:
             try:
                 verify_peer(conn)
@@ -217,6 +208,7 @@ class RankServer:
                 log.warning("%s", exc)
                 return
             first = True
+            session = Session()
             while not self._stop.is_set():
                 try:
                     # A connection that never sends its first request within
@@ -233,7 +225,7 @@ class RankServer:
                     return
                 for fd in frame.fds:  # requests never carry descriptors
                     os.close(fd)
-                if not self._handle(conn, frame.body):
+                if not self._handle(conn, frame.body, session):
                     return
         except OSError as exc:
             log.info("rank %d: connection closed: %s", self.global_rank, exc)
@@ -247,6 +239,8 @@ class RankServer:
         finally:
             with self._mutex:
                 self._conns.discard(conn)
+                if session is not None:
+                    self.stats.count_closed(session)  # what it served and never heard back on
             conn.close()
 
     def _count_bad(self, exc: Exception) -> None:
@@ -263,7 +257,7 @@ class RankServer:
             return False
         return True
 
-    def _handle(self, conn: socket.socket, body: dict[str, Any]) -> bool:
+    def _handle(self, conn: socket.socket, body: dict[str, Any], session: Session) -> bool:
         """Answer one request; False closes the connection."""
         with self._mutex:
             self.stats.requests += 1
@@ -271,9 +265,18 @@ class RankServer:
             cmd = protocol.check_request(body)
         except ProtocolError as exc:
             self._count_bad(exc)
+            if isinstance(body.get("cmd"), str) and body["cmd"] in protocol.NOTIFICATIONS:
+                return False  # never answered: an error reply would read as the next request's
             self._reply(conn, protocol.error_reply(str(exc)))
             return True
+        if cmd == "attached":
+            with self._mutex:
+                problem = self.stats.count_report(session, body)
+            if problem:
+                self._count_bad(ProtocolError(problem))
+            return problem is None
         if cmd == "hello":
+            session.client, session.pid = body["client"], body.get("pid")
             try:
                 protocol.check_version(body["protocol"])
             except ProtocolError as exc:
@@ -281,7 +284,7 @@ class RankServer:
                 return False
             self._reply(conn, {"status": "ok", "protocol": protocol.PROTOCOL_VERSION, **self._identity()})
         elif cmd == "get_state":
-            self._get_state(conn, body["key"])
+            self._get_state(conn, body["key"], session)
         elif cmd == "get_memory":
             self._reply(conn, {"status": "ok", "bytes": 0 if self.released else self.filled.layout.total_bytes})
         elif cmd == "stats":
@@ -302,7 +305,7 @@ class RankServer:
             "gpu_uuid": self.filled.arena.gpu_uuid,
         }
 
-    def _get_state(self, conn: socket.socket, key_obj: dict[str, Any]) -> None:
+    def _get_state(self, conn: socket.socket, key_obj: dict[str, Any], session: Session) -> None:
         try:
             key = WeightCacheKey.from_json(key_obj)
         except (ValueError, TypeError) as exc:
@@ -342,9 +345,9 @@ class RankServer:
         finally:
             for fd in dups:
                 os.close(fd)
-        if sent:  # a hit is a reply the engine received, not one we tried
+        if sent:  # served: a hit once the engine reports it attached (preload.daemon.counters)
             with self._mutex:
-                self.stats.hits += 1
+                self.stats.count_served(session)
 
     def _watch(self, conn: socket.socket) -> None:
         """Hold the connection open; its close is the daemon-loss signal."""
@@ -373,8 +376,12 @@ class RankServer:
         log.info("rank %d: arena released on request (copy mode)", self.global_rank)
 
     def snapshot(self) -> dict[str, Any]:
+        """The ``stats`` answer: identity, what it holds, the counters
+        (:class:`preload.daemon.counters.RankStats`), and where ``status``
+        finds the manifest to compare the folder with."""
+        from preload.identity.manifest import default_cache_dir
+
         with self._mutex:
-            s = self.stats
             return {
                 **self._identity(),
                 "checkpoint": self.checkpoint,
@@ -382,7 +389,9 @@ class RankServer:
                 "key": self.key.to_json(),
                 "resident_bytes": 0 if self.released else self.filled.layout.total_bytes,
                 "tensors": len(self.filled.layout.entries),
-                "attached": s.attached, "hits": s.hits, "misses": dict(s.misses),
-                "requests": s.requests, "bad_frames": s.bad_frames, "released": self.released,
+                **self.stats.to_json(), "released": self.released,
                 "load_seconds": self.filled.load_seconds, "uptime_s": time.time() - self._started,
+                # The cache this rank read its manifest from, and the process that started it
+                # (stopping that stops every rank of the daemon).
+                "cache_dir": str(default_cache_dir()), "launcher_pid": os.getppid(),
             }

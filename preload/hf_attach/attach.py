@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from pgbase.errors import CacheKeyMismatchError, WeightCacheUnavailableError
-from preload.checksum import VerifyReport, verify_resident
+from preload.checksum import ResidentWeightsChangedError, VerifyReport, verify_resident
 from preload.client import State, Watch
 from preload.hf_attach.model import (
     build_tp_model,
@@ -124,6 +124,7 @@ def attach_model(
     client = connect_rank(sdir, global_rank, tp_rank, key)
     state: State | None = None
     attachment: Attachment | None = None
+    reported = False
     try:
         try:
             state = client.get_state(key)
@@ -152,16 +153,20 @@ def attach_model(
         seconds["build"] = time.perf_counter() - t3
         n_bytes = state.layout.total_bytes
         n_tensors = len(state.layout.entries)
+        reported = client.report_attach()  # the daemon counts the hit now
         if mode == "copy":
             del tensors
             attachment.close()
             attachment = None
             client.release()
-    except BaseException:
+    except BaseException as exc:
         if attachment is not None:
             attachment.close()
         if state is not None:
             state.close()
+            if not reported and isinstance(exc, Exception):  # else the daemon counts the close
+                kind = "verify" if isinstance(exc, ResidentWeightsChangedError) else "attach"
+                client.report_attach(False, kind, f"{type(exc).__name__}: {exc}")
         raise
     finally:
         client.close()

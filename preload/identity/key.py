@@ -17,7 +17,8 @@ from typing import Any
 
 from pgbase.json_shape import convert
 
-PROTOCOL_VERSION = 1
+# 2: engines report each attach (preload.protocol.Attached); see preload.protocol.
+PROTOCOL_VERSION = 2
 EXPORT_STAGES = ("raw", "loaded", "processed")
 
 

@@ -55,6 +55,16 @@ def _forget_exception_frames(exc: BaseException) -> None:
     gc.collect()
 
 
+def _attach_failure_kind(miss: Miss) -> str:
+    """The daemon's name for why an attach after its ok answer failed
+    (:data:`preload.protocol.ATTACH_FAILURE_KINDS`)."""
+    from preload.checksum.resident import ResidentWeightsChangedError
+
+    if miss.fields == ["content_digest"]:
+        return "digest"
+    return "verify" if isinstance(miss.cause, ResidentWeightsChangedError) else "attach"
+
+
 def _on_daemon_loss(sdir: str, rank: int) -> None:
     global DAEMON_LOSSES
     DAEMON_LOSSES += 1
@@ -228,8 +238,12 @@ class VerifiedCacheLoader(BaseModelLoader):
                 except Exception as exc:
                     log.exception("attaching the daemon's weights failed")
                     raise Miss("error", f"attach failed: {type(exc).__name__}: {exc}", cause=exc) from exc
+            except Miss as miss:
+                client.report_attach(False, _attach_failure_kind(miss), miss.reason)  # never raises
+                raise
             finally:
                 state.close()  # descriptors not yet handed to attach (a no-op after it)
+            client.report_attach()  # the daemon counts the hit now, not when its reply left
             event.tensors, event.bytes = len(state.layout.entries), state.layout.total_bytes
             if opts.mode == "copy":
                 try:

@@ -72,6 +72,7 @@ def _snapshot(d: Daemon) -> dict[str, torch.Tensor]:
     try:
         key = WeightCacheKey.from_json(_daemon_key(d))
         att = c.get_state(key).attach()
+        c.report_attach()  # a consumer that reads the tensors is a hit like any engine
         return {n: t.clone() for n, t in att.tensors.items()}
     finally:
         c.close()

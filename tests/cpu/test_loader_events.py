@@ -26,6 +26,7 @@ import pytest
 from daemon_support import Daemon, copy_checkpoint, short_dir
 from reliability_support import skip_privileged
 
+from preload.client import DaemonClient
 from preload.promote import promote
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group(name="loader_events")]
@@ -132,12 +133,17 @@ def results(tiny_ckpt, tmp_path_factory):
                    f"mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} && exec \"$@\"", "sh", *cmd]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                            env={**__import__("os").environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+        c = DaemonClient.connect(daemon.socket_dir, 0)
+        try:
+            daemon_stats = c.stats()
+        finally:
+            c.close()
     finally:
         daemon.stop()
         shutil.rmtree(root, ignore_errors=True)
     assert out.exists(), (p.stdout + p.stderr)[-4000:]
     got = {r["name"]: r for r in json.loads(out.read_text())}
-    return {"rows": {r["name"]: r for r in rows}, "got": got, "unshare": unshare_why}
+    return {"rows": {r["name"]: r for r in rows}, "got": got, "unshare": unshare_why, "daemon": daemon_stats}
 
 
 @pytest.mark.parametrize("name", [r["name"] for r in ROWS])
@@ -162,3 +168,15 @@ def test_attach_failure_left_the_arena_unmapped(results):
     r = results["got"]["attach_fails_after_mapping"]
     assert "resident checksum mismatch" in r["log_events"][0]["reason"]
     assert r["after"]["maps"] == r["before"]["maps"]
+
+
+def test_the_daemon_counts_the_failed_attach_apart_from_hits(results):
+    """The daemon answered three rows ok: two engines used the weights (hits),
+    one failed after mapping them and said so (an attach failure, kind
+    ``attach``, with the engine's reason), not a hit as it was counted before."""
+    s = results["daemon"]
+    daemon_rows = [r for r in ROWS if r.get("daemon")]
+    hits = [r["name"] for r in daemon_rows if r["want_outcome"] == {"hit"}]
+    assert s["served"] == len(daemon_rows) and s["hits"] == len(hits) == 2, s
+    assert s["attach_failures"] == {"attach": 1} and s["attaching"] == 0, s
+    assert "resident checksum mismatch" in s["last_attach_failure"]["detail"]

@@ -38,6 +38,7 @@ CASES = [
     ("promote_throughput", "repeats", "1.5", "is not an integer", "1"),
     ("promote_throughput", "workers", "-1", "is negative", "0"),
     ("daemon_weight_load", "model", "/no/such/model", "is neither tiny, smollm2 nor a directory", "tiny"),
+    ("rollout_switch", "model", "/no/such/model", "is neither tiny, smollm2 nor a directory", "tiny"),
     ("daemon_peak_memory", "size", "lots", "bad size", "64M"),
     ("daemon_peak_memory", "model", "huge", "is neither tiny, smollm2 nor a directory", "smollm2"),
     ("gpu_attach", "tensors", "0", "is not a positive integer", "8"),

@@ -112,7 +112,7 @@ def _golden_json() -> dict:
     g = Golden(
         digest="ab" * 32, vllm_version="0.32.0", sampling=Sampling(max_tokens=3, top_logprobs=2),
         prompts=[gp()], token_texts={"5": "five"}, settings=DeploymentSettings(dtype="float16"),
-        config_digest="cd" * 32, tokenizer_digest="ef" * 32,
+        config_digest="cd" * 32, answer_files={"chat_template.jinja": "ef" * 32, "tokenizer.json": "12" * 32},
     )
     return g.to_json()
 
@@ -122,7 +122,8 @@ def test_golden_round_trips_and_keys_on_everything_that_decides_answers(tmp_path
     p.write_text(json.dumps(_golden_json()))
     g = load_golden(p)
     assert g.key() == {
-        "digest": "ab" * 32, "config_digest": "cd" * 32, "tokenizer_digest": "ef" * 32,
+        "digest": "ab" * 32, "config_digest": "cd" * 32, "tokenizer_digest": None,
+        "answer_files": {"chat_template.jinja": "ef" * 32, "tokenizer.json": "12" * 32},
         "settings": DeploymentSettings(dtype="float16").to_json(), "vllm_version": "0.32.0", "sampling": {
             "max_tokens": 3, "top_logprobs": 2, "temperature": 0.0, "ignore_eos": True,
             "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}}
@@ -142,6 +143,10 @@ def test_golden_round_trips_and_keys_on_everything_that_decides_answers(tmp_path
         (lambda o: o["sampling"].update(ignore_eos=1), r"got `int` - at `\$.sampling.ignore_eos`"),
         (lambda o: o.update(settings={"dtype": "float16", "tp": 2}), r"unknown fields \['tp'\]"),
         (lambda o: o.update(config_digest="CD" * 31), "config_digest 'CDCD.* is 62 characters, not 64"),
+        (lambda o: o["answer_files"].update({"../tokenizer.json": "12" * 32}), "'../tokenizer.json', not a path inside"),
+        (lambda o: o["answer_files"].update({"/etc/passwd": "12" * 32}), "'/etc/passwd', not a path inside"),
+        (lambda o: o["answer_files"].update({"vocab.json": "12"}), r"answer_files\['vocab.json'\] '12' is not a SHA-256 digest"),
+        (lambda o: o.update(answer_files=["tokenizer.json"]), r"malformed golden record .*\$.answer_files"),
         (lambda o: o.update(prompts=[]), "no prompt"),
         (lambda o: o["prompts"][0].update(token_ids=[1]), "max_tokens=3"),
         (lambda o: o["sampling"].update(temperature=0.7), "temperature must be 0"),

@@ -37,7 +37,7 @@ DIGEST = "ab" * 32
 KEY = "sk-test"
 
 
-def tie_golden(settings: DeploymentSettings | None = None, **identity: str | None) -> Golden:
+def tie_golden(settings: DeploymentSettings | None = None, **identity: Any) -> Golden:
     """r05's golden: at prompt 0 position 1 the two best tokens are 1e-4 nats apart."""
     p0 = GoldenPrompt("p0", [1, 2, 3], [5, 10, 20, 21], "", [-0.1, -0.69310, -0.2, -0.3],
                       [{"5": -0.1, "6": -2.4}, {"10": -0.69310, "11": -0.69320},
@@ -48,7 +48,7 @@ def tie_golden(settings: DeploymentSettings | None = None, **identity: str | Non
     return Golden(DIGEST, "0.32.0", Sampling(max_tokens=4, top_logprobs=2), [p0, p1], settings=settings,
                   engine={"load_format": "auto", "dtype": "bfloat16", "resolved_dtype": "bfloat16"},
                   config_digest=identity.get("config_digest", "c" * 64),
-                  tokenizer_digest=identity.get("tokenizer_digest", "d" * 64))
+                  answer_files=identity.get("answer_files"), tokenizer_digest=identity.get("tokenizer_digest"))
 
 
 def same(g: Golden) -> list[Answer]:
@@ -343,7 +343,7 @@ def test_golden_for_another_config_or_tokenizer_is_refused(tmp_path, fakes, caps
     t["model_max_length"] = 512
     (tok / "tokenizer_config.json").write_text(json.dumps(t))
     rc, _, err = cli(capsys, "--base-url", f.url, "--golden", golden, "--checkpoint", str(tok))
-    assert rc == 2 and "tokenizer_digest" in err
+    assert rc == 2 and "answer_files" in err and "tokenizer_config.json changed" in err
 
 
 def test_reference_cache_key_covers_config_and_tokenizer(tmp_path, tiny_ckpt) -> None:

@@ -242,6 +242,27 @@ BAD = [
               "--reference-cache", "{base}/cwd/refs"], None, "unknown mutation bogus"),
     ("demo", ["demo", "--workdir", "{base}/afile"], None, "--workdir {base}/afile is not a directory"),
     ("demo", ["demo", "--reference-cache", "/proc/pg-no-such-refs"], None, "cannot be written"),
+    # rollout: every file it is handed is read before either checkpoint is hashed.
+    ("rollout", ["rollout", "--to", "{ckpt}"], None, "name the checkpoints: --from CURRENT --to NEW"),
+    ("rollout", ["rollout", "--from", "{base}/nope", "--to", "{gqa}", "--replicas", "1", "--port", "{free}"], None,
+     "--from {base}/nope is not a directory"),
+    ("rollout", ["rollout", "--from", "{ckpt}", "--to", "{ckpt}", "--replicas", "1", "--port", "{free}"], None,
+     "follows itself in the sequence"),
+    ("rollout", ["rollout", "--from", "{ckpt}", "--to", "{gqa}", "--replicas", "1"], None, "--replicas needs --port"),
+    ("rollout", ["rollout", "--from", "{ckpt}", "--to", "{gqa}", "--replicas", "0"], None,
+     "argument --replicas: 0 is not a positive integer"),
+    ("rollout", ["rollout", "--from", "{ckpt}", "--to", "{gqa}", "--replicas", "1", "--port", "{free}",
+                 "--gate-report", "{base}/nope"], None, "cannot read gate report {base}/nope"),
+    ("rollout", ["rollout", "--from", "{ckpt}", "--to", "{gqa}", "--replicas", "1", "--port", "{free}",
+                 "--gate-report", "{base}/afile"], None, "gate report {base}/afile refused: not JSON"),
+    ("rollout", ["rollout", "--from", "{ckpt}", "--to", "{gqa}", "--replicas", "1", "--port", "{free}", "--no-gate",
+                 "--golden", "{base}/nope.json"], None, "cannot read golden file {base}/nope.json"),
+    ("rollout", ["rollout", "--from", "{ckpt}", "--to", "{gqa}", "--replicas", "1", "--port", "{free}", "--no-gate",
+                 "--gate-report", "{base}/nope"], None, "--no-gate and --gate-report contradict"),
+    ("rollout", ["rollout", "--from", "{ckpt}", "--to", "{gqa}", "--replicas", "1", "--port", "{free}", "--",
+                 "--port", "9"], None, "engine argument --port is set by the rollout"),
+    ("rollout", ["rollout", "--from", "{ckpt}", "--to", "{gqa}", "--replicas", "1", "--port", "{free}",
+                 "--memory-budget", "lots"], None, "argument --memory-budget: bad size 'lots'"),
 ]
 
 # Control for the rows above: the same flags with good values pass those checks.

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from daemon_support import REPO, Daemon, copy_checkpoint, short_dir
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file
 
@@ -187,13 +187,14 @@ def test_metrics_scrape_parses_with_prometheus_client(served):
     families dashboards use, their types and labels, this daemon's digest."""
     url = served.ready["health"] + "/metrics"
     with urllib.request.urlopen(url, timeout=10) as resp:
-        assert resp.headers["Content-Type"] == CONTENT_TYPE_LATEST
+        # What prometheus_client's own server answers a request with no Accept header.
+        assert resp.headers["Content-Type"] == choose_encoder("")[1]
         text = resp.read().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     # The parser names a counter family without ``_total``; its samples keep it.
     assert {n: f.type for n, f in families.items()} == {
         "preload_gate_rank_up": "gauge", "preload_gate_hits": "counter", "preload_gate_misses": "counter",
-        "preload_gate_attached_engines": "gauge", "preload_gate_resident_bytes": "gauge",
+        "preload_gate_attach_failures": "counter", "preload_gate_attached_engines": "gauge", "preload_gate_resident_bytes": "gauge",
         "preload_gate_load_seconds": "gauge",
     }
     rank0, digest = served.ready["ranks"][0], served.ready["digest"]

@@ -5,8 +5,9 @@ One in-process rank server per round (raw stage, a real sealed memfd arena),
 several client threads asking for the state while another thread releases
 or stops it. Every reply a client gets is either an error frame or an ok
 frame whose descriptor is a live, sealed memfd of the arena's size. After
-each round the server's hit count equals the ok replies clients received
-(counters move only after a successful send).
+each round the server's served count equals the ok replies clients received
+(counters move only after a successful send; a hit further waits for the
+engine's report, preload.daemon.counters).
 
 The control runs the same rounds against a server patched back to the old
 shape (reading the arena's descriptors outside the lock, counting before
@@ -135,8 +136,8 @@ def _round(template: Filled, blob: bytes, root: Path, i: int, action: str,
     if server._conns:
         problems.append("a server connection thread hung")
     snap = server.snapshot()
-    if snap["hits"] != sum(oks):
-        problems.append(f"server counted {snap['hits']} hits, clients received {sum(oks)} ok replies")
+    if snap["served"] != sum(oks):
+        problems.append(f"server counted {snap['served']} served, clients received {sum(oks)} ok replies")
     if action == "release":
         server.stop()
     return problems
@@ -146,13 +147,13 @@ class _OldServer(RankServer):
     """The shape before the fix: descriptors read without the lock, the arena
     closed outside it, the hit counted before the reply is sent."""
 
-    def _get_state(self, conn, key_obj):  # type: ignore[no-untyped-def]
+    def _get_state(self, conn, key_obj, session):  # type: ignore[no-untyped-def]
         f = self.filled
         if self.released:
             self._reply(conn, protocol.error_reply("released"))
             return
         with self._mutex:
-            self.stats.hits += 1
+            self.stats.count_served(session)
         reply = {"status": "ok", **self._identity(), "entries": f.layout.to_json(),
                  "total_bytes": f.layout.total_bytes, "aliases": f.aliases,
                  "descriptor": {"kind": "shm", "size": f.layout.total_bytes}, "key": self.key.to_json(),

@@ -69,7 +69,13 @@ _JUNK_VALUES: tuple[object, ...] = (
     None, True, False, 0, -1, 2**63, 2**70, 1.5, -0.0, "", "x", [], {}, [1, 2], {"a": 1},
     "\u0000", "\ud7ff", "../../etc/passwd", 1e308,
 )
-_COMMANDS = ("hello", "get_state", "get_memory", "watch", "release", "stats")
+_COMMANDS = ("hello", "get_state", "get_memory", "watch", "release", "stats", "attached")
+# Attach reports on connections where nothing was served (a report of
+# nothing, or a malformed one): each is refused by a close, never an answer.
+_BAD_REPORTS: tuple[dict[str, object], ...] = (
+    {"ok": True}, {"ok": False, "kind": "attach"}, {"ok": "yes"}, {"ok": False, "kind": "bogus"},
+    {"ok": True, "kind": "attach"}, {"ok": False}, {"ok": False, "kind": "verify", "detail": 7},
+)
 
 
 def _junk(rng: random.Random, depth: int = 0) -> object:
@@ -135,6 +141,8 @@ def generate(rng: random.Random) -> Case:
                         client=rng.choice((None, 1, [], "fuzz")))
         elif cmd == "get_state":
             body["key"] = rng.choice(("k", 1, None, [], True))
+        elif cmd == "attached":
+            body.update(rng.choice(_BAD_REPORTS))
         else:
             body[rng.choice(("extra", "cmd2"))] = _junk(rng)
         if rng.random() < 0.3:

@@ -12,6 +12,12 @@ the bodies its daemon and client build. Both directions are held:
 
 A control per direction: a frame one byte off is refused, and a key with one
 field of the wrong type does not round-trip.
+
+Protocol version 2 (engines report each attach: ``attached``) changed the
+frames above in one byte each, the version in ``hello``, its reply and the
+key's ``protocol_version`` (1 -> 2, lengths unchanged), and added the two
+``attached`` frames; ``V1_HELLO`` keeps the old hello, which the handshake now
+refuses by name.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ _KEY = (
     b'"expert_placement_strategy":"linear","kv_cache_dtype_skip_layers":"[]","is_draft":false,'
     b'"moe_backend":"auto","linear_backend":"auto","linear_backend_per_quant":"[]",'
     b'"kernel_backend":"auto","export_stage":"loaded","transport":"shm","vllm_version":"0.33.0",'
-    b'"protocol_version":1}'
+    b'"protocol_version":2}'
 )
 _IDENTITY = (
     b'"daemon_id":"d-1","digest":"abababababababababababababababababababababababababababababababab",'
@@ -55,8 +61,11 @@ _CUDA_DESCRIPTOR = (
 )
 # name -> the whole frame (header included) as the old code encoded it.
 FRAMES: dict[str, bytes] = {
-    "hello": b'\x00\x00\x00?{"cmd":"hello","protocol":1,"client":"preload-gate","pid":4242}',
-    "hello_reply": b'\x00\x00\x00\xbe{"status":"ok","protocol":1,' + _IDENTITY + b"}",
+    "hello": b'\x00\x00\x00?{"cmd":"hello","protocol":2,"client":"preload-gate","pid":4242}',
+    "hello_reply": b'\x00\x00\x00\xbe{"status":"ok","protocol":2,' + _IDENTITY + b"}",
+    "attached_ok": b'\x00\x00\x00\x1c{"cmd":"attached","ok":true}',
+    "attached_failed": (b'\x00\x00\x00e{"cmd":"attached","ok":false,"kind":"verify",'
+                        b'"detail":"resident checksum mismatch on lm_head.weight"}'),
     "get_state": b'\x00\x00\x02\x8e{"cmd":"get_state","key":' + _KEY + b"}",
     "ok_shm": (
         b'\x00\x00\x04\xf0{"status":"ok",' + _IDENTITY + b',"entries":' + _ENTRIES
@@ -72,6 +81,8 @@ FRAMES: dict[str, bytes] = {
     "error": b'\x00\x00\x007{"status":"error","error":"get_state: bad key: \\u00e9"}',
     "stats": b'\x00\x00\x00V{"status":"ok","load_seconds":1.25,"misses":{"key_mismatch:dtype":2},"released":false}',
 }
+
+V1_HELLO = b'\x00\x00\x00?{"cmd":"hello","protocol":1,"client":"preload-gate","pid":4242}'
 
 KEY = WeightCacheKey(content_digest="ab" * 32, architecture="LlamaForCausalLM", dtype="bfloat16",
                      tp_size=2, tp_rank=1, vllm_version="0.33.0")
@@ -91,6 +102,8 @@ def _built(name: str) -> dict:
     return {
         "hello": lambda: protocol.hello_request("preload-gate", 4242),
         "hello_reply": lambda: {"status": "ok", "protocol": protocol.PROTOCOL_VERSION, **identity},
+        "attached_ok": lambda: protocol.attach_report(True),
+        "attached_failed": lambda: protocol.attach_report(False, "verify", "resident checksum mismatch on lm_head.weight"),
         "get_state": lambda: {"cmd": "get_state", "key": KEY.to_json()},
         "ok_shm": lambda: {
             "status": "ok", **identity, "entries": LAYOUT.to_json(), "total_bytes": LAYOUT.total_bytes,
@@ -161,3 +174,13 @@ def test_control_a_key_with_one_wrong_type_is_refused() -> None:
     obj["tp_size"] = "2"
     with pytest.raises(ValueError, match="tp_size"):
         WeightCacheKey.from_json(obj)
+
+
+def test_a_version_1_hello_is_refused_by_name() -> None:
+    """A release-1 engine never reports its attaches: the daemon would count
+    each one failed, so the handshake refuses it, naming both versions."""
+    body = _received(V1_HELLO).body
+    assert protocol.check_request(body) == "hello"  # the shape is still a hello
+    with pytest.raises(ProtocolError, match="protocol version 1 is not 2; run the daemon and the engine"):
+        protocol.check_version(body["protocol"])
+    protocol.check_version(_received(FRAMES["hello"]).body["protocol"])  # control: the current one passes

@@ -1,0 +1,357 @@
+"""What ``preload-gate status`` reports: one record per rank socket, checked against the disk.
+
+Each rank that answers is asked for ``stats`` (identity, key, counters) and
+its folder is put to the engines' own restart check
+(:func:`preload.identity.manifest.stale_reason` against the manifest in the
+cache the rank read): every daemon's folder in one :func:`stat_all`, one
+round trip. So ``status`` says what an engine started on that folder would
+find: this daemon (``fresh``), a miss (``stale``: the folder changed, has
+no manifest, or was promoted again), another daemon (``superseded``), or
+that it cannot tell (``unknown``), with the command that fixes it.
+
+:class:`DaemonRecord` is the one per-rank record: ``--json`` is it encoded
+as it is (every field present, null where it does not apply; the shape is
+documented in docs/daemon.md), and :func:`render` prints it. A new field is
+a line in the record and, to show it, one in :func:`render`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import stat
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from pgbase.digest_text import short_digest
+from pgbase.errors import PreloadGateError
+from preload.identity.key import WeightCacheKey
+
+FORMAT = "preload-gate-status/1"
+
+
+class DiskCheck(msgspec.Struct):
+    """The folder a daemon serves, as an engine's ``stat`` restart check
+    sees it now. ``fix``: the command to run; ``manifest_digest``: what the
+    manifest names (None without one); ``shard`` and ``fields``: the file
+    that changed and its stat fields that differ."""
+
+    state: Literal["fresh", "stale", "superseded", "unknown"]
+    # Why stale: the folder changed since promotion, it has no manifest (or one
+    # of another version), or it was promoted again as other content.
+    cause: Literal["changed", "no_manifest", "promoted_again", ""] = ""
+    reason: str = ""
+    shard: str | None = None
+    fields: str = ""
+    manifest_digest: str | None = None
+    manifest: str | None = None
+    fix: str = ""
+
+
+class DaemonRecord(msgspec.Struct, kw_only=True):
+    """One rank socket: where it is, whether and how it answers, what it holds,
+    what it counted (:mod:`preload.daemon.counters`) and its disk check."""
+
+    socket: str
+    socket_root: str
+    serving: bool
+    # Nothing serves: what stands there, or who holds the rank's lock; or it answered and refused us.
+    not_a_socket: str | None = None
+    lock_holder: str | None = None  # the pid its lock file names ("unknown" when empty)
+    refused: str | None = None
+    # A serving rank: identity and what it holds.
+    pid: int | None = None
+    rank: int | None = None
+    daemon_id: str | None = None
+    digest: str | None = None
+    checkpoint: str | None = None
+    key: dict[str, Any] | None = None
+    stage: str | None = None
+    transport: str | None = None
+    gpu_uuid: str | None = None
+    resident_bytes: int = 0
+    tensors: int = 0
+    released: bool = False
+    load_seconds: float = 0.0
+    uptime_s: float = 0.0
+    cache_dir: str | None = None
+    launcher_pid: int | None = None
+    command: str | None = None
+    # Engines: watching now, attaches confirmed / failed / in progress, misses by reason.
+    attached: int = 0
+    hits: int = 0
+    served: int = 0
+    attach_failures: dict[str, int] = msgspec.field(default_factory=dict)
+    attaching: int = 0
+    last_attach_failure: dict[str, Any] | None = None
+    misses: dict[str, int] = msgspec.field(default_factory=dict)
+    requests: int = 0
+    bad_frames: int = 0
+    disk: DiskCheck | None = None
+
+
+class StatusReport(msgspec.Struct):
+    """``status --json``: every rank found (``ranks``), serving daemons under
+    roots engines do not look in (``elsewhere``), registry entries refused."""
+
+    socket_root: str
+    socket_roots: list[str]
+    registry: str
+    ranks: list[DaemonRecord]
+    elsewhere: list[DaemonRecord]
+    refused: list[dict[str, str]]
+    format: str = FORMAT
+
+
+def scan(root: str | os.PathLike[str] | None) -> list[DaemonRecord]:
+    """Every rank socket under the socket root (dirs ``<digest[:16]>``), answering or not."""
+    from preload.daemon.health import ask_rank
+    from preload.daemon.lock import lock_holder
+    from preload.sockets import default_socket_root
+
+    base = Path(root or default_socket_root())
+    found: list[DaemonRecord] = []
+    if not base.is_dir():
+        return found
+    for d in sorted(base.iterdir()):
+        if d.is_symlink() or not d.is_dir():
+            continue
+        for sock in sorted(d.glob("rank*.sock")):
+            answer, refused = ask_rank(sock)
+            if answer is not None:
+                record = msgspec.convert({**answer, "socket": str(sock), "socket_root": str(base), "serving": True},
+                                         DaemonRecord)
+                record.command = _launcher_command(record)
+                found.append(record)
+                continue
+            # Stale only when nothing answers AND no live process holds the lock.
+            found.append(DaemonRecord(socket=str(sock), socket_root=str(base), serving=False, refused=refused,
+                                      not_a_socket=_not_a_socket(sock),
+                                      lock_holder=lock_holder(d, int(sock.stem.removeprefix("rank")))))
+    return found
+
+
+def _not_a_socket(path: Path) -> str | None:
+    """What stands at a rank's socket path when it is not a socket ("a
+    regular file", "a symlink", ...); None for a socket or nothing."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    return "a symlink" if stat.S_ISLNK(mode) else "a regular file" if stat.S_ISREG(mode) else "a non-socket file"
+
+
+def _launcher_command(r: DaemonRecord) -> str | None:
+    """How the daemon was started (its launcher's command line from the verb
+    on, with the socket root and cache dir it ran with where the command line
+    does not name them: they may have come from its environment), so a fix
+    can say "start one as this one was"; None if its launcher cannot be read."""
+    import psutil
+
+    from preload.identity.manifest import default_cache_dir
+    from preload.sockets import SOCKET_ROOT_ENV, default_socket_root
+
+    if r.launcher_pid is None or r.launcher_pid <= 1:
+        return None
+    try:
+        argv = psutil.Process(r.launcher_pid).cmdline()
+    except (psutil.Error, OSError):
+        return None
+    if "preload" not in argv[1:]:
+        return None
+    argv = argv[argv.index("preload", 1):]
+    if "--socket-root" not in argv and (SOCKET_ROOT_ENV in os.environ or Path(r.socket_root) != default_socket_root()):
+        argv += ["--socket-root", r.socket_root]
+    if "--cache-dir" not in argv and r.cache_dir and Path(r.cache_dir) != default_cache_dir(env=False):
+        argv += ["--cache-dir", r.cache_dir]
+    return "preload-gate " + shlex.join(argv)
+
+
+def check_disk(records: list[DaemonRecord]) -> None:
+    """Set ``disk`` on every serving record: the engines' restart check of its
+    folder against the manifest in the cache it read, every folder's stats
+    taken in one :func:`stat_all` (one round trip)."""
+    from preload.identity.filestat import stat_all
+    from preload.identity.manifest import (
+        Manifest,
+        StaleManifestError,
+        load_manifest,
+        manifest_path,
+        restart_targets,
+    )
+
+    serving = [r for r in records if r.serving and r.checkpoint]
+    manifests: dict[tuple[str, str | None], Manifest | DiskCheck | None] = {}
+    for r in serving:
+        where = (str(r.checkpoint), r.cache_dir)
+        if where not in manifests:
+            try:
+                manifests[where] = load_manifest(*where)
+            except StaleManifestError as exc:  # of another version: engines refuse it too
+                manifests[where] = DiskCheck("stale", "no_manifest", reason=str(exc).split("; run:")[0],
+                                             manifest=str(manifest_path(*where)))
+            except PreloadGateError as exc:  # untrusted, unreadable or malformed
+                manifests[where] = DiskCheck("unknown", reason=str(exc), manifest=str(manifest_path(*where)))
+    pairs = [(w, m) for w, m in manifests.items() if isinstance(m, Manifest)]
+    targets = [restart_targets(w[0], m) for w, m in pairs]
+    flat = stat_all([t for ts in targets for t in ts])
+    stats: dict[tuple[str, str | None], list[Any]] = {}
+    for (w, _m), ts in zip(pairs, targets, strict=True):
+        stats[w], flat = flat[:len(ts)], flat[len(ts):]
+    for r in serving:
+        where = (str(r.checkpoint), r.cache_dir)
+        found = manifests[where]
+        if isinstance(found, DiskCheck):
+            r.disk = msgspec.structs.replace(found, fix=_fixes(r)[0] if found.state == "stale" else "")
+        else:
+            r.disk = _judge(r, found, stats.get(where), serving)
+
+
+def _judge(r: DaemonRecord, manifest: Any, stats: list[Any] | None, serving: list[DaemonRecord]) -> DiskCheck:
+    from preload.identity.filestat import STAT_BLIND_FILESYSTEMS, FileStat, filesystem_type_of_dev
+    from preload.identity.manifest import manifest_path, stale_reason
+
+    ckpt, digest = str(r.checkpoint), str(r.digest)
+    then, restart, stop = _fixes(r)
+    if manifest is None:
+        return DiskCheck("stale", "no_manifest", reason=f"no promotion manifest in {r.cache_dir}",
+                         manifest=str(manifest_path(ckpt, r.cache_dir)), fix=then)
+    where = str(manifest_path(ckpt, r.cache_dir))
+    # stat_blind_ok, as the daemon itself: on tmpfs the stats are still compared.
+    found = stale_reason(ckpt, manifest, stat_blind_ok=True, stats=stats)
+    if found is not None:
+        reason, shard = found
+        return DiskCheck("stale", "changed", reason=reason, shard=shard, fields=_fields(manifest, shard, stats or []),
+                         manifest_digest=manifest.digest, manifest=where, fix=then)
+    if manifest.digest != digest:
+        other = next((o for o in serving if o.digest == manifest.digest and o.rank == r.rank), None)
+        if other is not None:
+            return DiskCheck("superseded", reason=f"promoted again as {short_digest(manifest.digest)}, served by pid "
+                             f"{other.pid}", manifest_digest=manifest.digest, manifest=where, fix=stop)
+        return DiskCheck("stale", "promoted_again", reason=f"promoted again as {short_digest(manifest.digest)}",
+                         manifest_digest=manifest.digest, manifest=where, fix=restart)
+    d = stats[0] if stats else None
+    blind = isinstance(d, FileStat) and filesystem_type_of_dev(d.dev) in STAT_BLIND_FILESYSTEMS
+    return DiskCheck("fresh", manifest_digest=manifest.digest, manifest=where, reason=(
+        "on a stat-blind filesystem: engines with identity stat refuse it; use identity pinned "
+        f"(expected_digest {digest})" if blind else ""))
+
+
+def _fixes(r: DaemonRecord) -> tuple[str, str, str]:
+    """What to run for ``r``: promote (then a daemon for a new digest), a
+    daemon for the digest the manifest names, and stopping ``r``."""
+    from preload.identity.manifest import promote_command
+
+    start = f"as this one was: {r.command}" if r.command else "with this one's settings"
+    stop = f"stop this one (kill {r.launcher_pid})" if r.launcher_pid else "stop this one"
+    promote = (f"{promote_command(str(r.checkpoint), r.cache_dir)}; if it prints a digest other than "
+               f"{short_digest(str(r.digest))}, start a daemon for it ({start}) and {stop}")
+    return promote, f"start a daemon for it ({start}) and {stop}", stop
+
+
+def _fields(manifest: Any, shard: str | None, stats: list[Any]) -> str:
+    """The stat fields of ``shard`` that differ from the manifest's, from the stats just taken."""
+    from preload.identity.filestat import FileStat
+
+    if shard == manifest.index_file:
+        now, then = (stats[1] if len(stats) > 1 else None), manifest.index_stat
+    else:
+        i = next((i for i, rec in enumerate(manifest.shards) if rec.name == shard), None)
+        now, then = (stats[2 + i], manifest.shards[i].stat) if i is not None and len(stats) > 2 + i else (None, None)
+    return now.changed_fields(then) if isinstance(now, FileStat) and isinstance(then, FileStat) else ""
+
+
+# ------------------------------------------------------------------ text
+
+
+def render(report: StatusReport, default_root: Path) -> list[str]:
+    """The lines ``status`` prints for ``report``."""
+    lines = [f"note: not following {bad['path']}: {bad['error']}" for bad in report.refused]
+    for r in report.elsewhere:
+        lines.append(f"note: a daemon serves {short_digest(str(r.digest))} under {r.socket_root}, not the "
+                     f"socket root {default_root}; engines will not find it: restart it, or set "
+                     "PRELOAD_GATE_SOCKET_ROOT to that directory everywhere")
+    for r in report.ranks:
+        lines += _serving(r, default_root) if r.serving else [_not_serving(r)]
+    return lines
+
+
+def _not_serving(r: DaemonRecord) -> str:
+    if r.not_a_socket:  # a file or link in a socket's place: no daemon ever served through it
+        return f"{r.socket}: {r.not_a_socket}, not a socket: nothing serves here; remove it"
+    if r.refused:
+        return f"{r.socket}: a daemon answers but refused us: {r.refused}"
+    if r.lock_holder:
+        return f"{r.socket}: not answering, but pid {r.lock_holder} holds its lock (a daemon starting, or hung): not stale"
+    return f"{r.socket}: not answering and its lock is free (stale socket)"
+
+
+def _serving(r: DaemonRecord, default_root: Path) -> list[str]:
+    # Engines find a daemon outside the default root only when told where it is.
+    where = "" if Path(r.socket_root) == default_root else f"  socket_root={r.socket_root}"
+    failures = sum(r.attach_failures.values())
+    out = [f"{short_digest(str(r.digest))} rank {r.rank} pid {r.pid} {r.stage}/{r.transport} {r.resident_bytes} bytes, "
+           f"{r.attached} attached, {r.hits} hits, {failures} attach failures, {sum(r.misses.values())} misses  "
+           f"{r.checkpoint}{where}",
+           f"    digest   {r.digest}",
+           f"    key      {_key_text(r.key)}"]
+    if failures or r.attaching:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(r.attach_failures.items())) or "none"
+        out.append(f"    attach   {r.hits} done, {failures} failed ({kinds}), {r.attaching} in progress"
+                   + _last_failure(r.last_attach_failure))
+    if r.misses:
+        out.append("    misses   " + ", ".join(f"{k} {n}" for k, n in sorted(r.misses.items())))
+    if r.disk is not None:
+        out.append("    " + disk_line(r))
+    return out
+
+
+def _last_failure(last: dict[str, Any] | None) -> str:
+    if not last:
+        return ""
+    ago = max(0.0, time.time() - float(last.get("at") or 0))
+    who = " ".join(str(x) for x in (last.get("client") or "", f"pid {last['pid']}" if last.get("pid") else "") if x)
+    return f"; last {ago:.0f} s ago{(' by ' + who) if who else ''}: {last.get('kind')}: {last.get('detail')}"
+
+
+def disk_line(r: DaemonRecord) -> str:
+    """The one line on what engines started on ``r``'s folder would find."""
+    d, ckpt, d16 = r.disk, r.checkpoint, short_digest(str(r.digest))
+    assert d is not None
+    if d.state == "fresh":
+        return f"fresh: {ckpt} matches its promotion manifest ({d16}); engines on it find this daemon" + (
+            f"; but it is {d.reason}" if d.reason else "")
+    if d.state == "superseded":
+        return f"superseded: {ckpt} was {d.reason}; engines on it use that one; {d.fix}"
+    if d.state == "unknown":
+        return f"unknown: cannot compare {ckpt} with its manifest: {d.reason}"
+    if d.cause == "no_manifest":
+        return f"stale: {ckpt}: {d.reason}; engines on it will miss; run: {d.fix}"
+    if d.cause == "promoted_again":
+        return f"stale: {ckpt} was {d.reason}, this daemon serves {d16}; engines on it will miss; run: {d.fix}"
+    what = f"{d.shard}: {d.fields}" if d.shard and d.fields else d.reason
+    return f"stale: {ckpt} changed ({what}); engines on it will miss; run: {d.fix}"
+
+
+def _key_text(key: dict[str, Any] | None) -> str:
+    """The key's layout, then every other field that is not its default
+    (content digest, stage and transport are on their own lines)."""
+    if not key:
+        return "(none)"
+    shown = {"content_digest", "export_stage", "transport", "tp_size", "tp_rank", "pp_size", "pp_rank",
+             "dp_size", "dp_rank"}
+    parts = [f"tp {key.get('tp_rank')}/{key.get('tp_size')} pp {key.get('pp_rank')}/{key.get('pp_size')} "
+             f"dp {key.get('dp_rank')}/{key.get('dp_size')}"]
+    for f in dataclasses.fields(WeightCacheKey):
+        value = key.get(f.name)
+        if f.name in shown or value == f.default:
+            continue
+        text = short_digest(value) if isinstance(value, str) and f.name.endswith("_digest") else value
+        parts.append(f"{f.name}={text}")
+    return " ".join(parts)
