@@ -12,6 +12,8 @@ two nodes of one CPU each, each with its own daemon socket root. Expensive
   is a named NOT_RUN, never started elsewhere;
 - a node removed while its case's cached engine runs: the case is NOT_RUN
   with the reason, never PASS (the only daemon holding the digest was there).
+  Its case is ``zeroed_norm``, whose reference the first test left in the
+  module's ``refcache``: the one engine that starts is the cached one killed.
 
 The placement rules without Ray (re-run elsewhere, deadlines, spread) are
 tests/unit/test_gate_ray_placement.py.
@@ -95,12 +97,12 @@ def test_a_node_removed_while_its_case_runs_is_not_run_never_pass(cluster, tiny_
 
     box: list = []
     t = threading.Thread(target=lambda: box.append(run_gate(
-        GateOptions(candidate=str(tiny_ckpt), mutations="single_element", workdir=str(work),
-                    reference_cache=str(tmp_path / "refs"), progress=note),
+        GateOptions(candidate=str(tiny_ckpt), mutations="zeroed_norm", workdir=str(work),
+                    reference_cache=str(refcache), progress=note),
         executor=_executor(cluster, resources={"only_here": 1.0}))))
     t.start()
     assert started.wait(600), "the cached engine never started"
-    log = work / "engines" / "cached-single_element" / "engine.log"
+    log = work / "engines" / "cached-zeroed_norm" / "engine.log"
     deadline = time.monotonic() + 300
     while not (log.exists() and log.stat().st_size > 0) and time.monotonic() < deadline:
         time.sleep(0.5)  # the engine is running on the node
@@ -108,6 +110,7 @@ def test_a_node_removed_while_its_case_runs_is_not_run_never_pass(cluster, tiny_
     t.join(600)
     (report,) = box
     (case,) = report.cases
+    assert case.reference_reused, "the first test's reference is reused: only the cached engine starts"
     assert case.status == NOT_RUN and case.verdict is None and report.exit_code == 2
     assert "the cached engine was not run" in case.not_run_reason and node[:12] in case.not_run_reason
     attempts = case.placement["cached"]["attempts"]
