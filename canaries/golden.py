@@ -39,6 +39,7 @@ import msgspec
 from canaries.errors import GoldenError, read_digest
 from canaries.prompts import DEFAULT_PROMPTS
 from pgbase import atomic
+from pgbase.errors import PreloadGateError
 from pgbase.procs import stop_group
 from pgbase.shards import shard_paths
 from preload.deployment import DeploymentSettings, SettingsError, answer_identity
@@ -226,6 +227,16 @@ def _shard_stats(checkpoint: Path) -> dict[str, FileStat]:
     return {p.name: FileStat.of(p) for p in shard_paths(checkpoint)}
 
 
+def _digest(ckpt: Path) -> str:
+    """The promotion's digest with its proof (manifest + stat check), else a hash."""
+    from preload.identity.manifest import resolve_digest
+
+    try:
+        return resolve_digest(ckpt, mode="stat").digest
+    except PreloadGateError:  # none, stale, stat-blind, unreadable or not ours: never trusted
+        return content_digest(ckpt)
+
+
 def record(
     model: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -239,10 +250,13 @@ def record(
 ) -> Golden:
     """Record a golden file for ``model`` from an ``auto`` engine and write it atomically.
 
-    The digest is hashed from the shards before the engine starts, and the
-    shards are stat-ed before and after (size, mtime, ctime, inode): a
-    checkpoint edited while the engine read it is an error, so the digest
-    always names the bytes the answers came from.
+    The digest is the promotion's when its manifest still describes the
+    folder (the stat check every restarting engine makes,
+    :func:`preload.identity.manifest.resolve_digest`; no byte is read for
+    it), else hashed from the shards before the engine starts; the shards are
+    stat-ed before and after (size, mtime, ctime, inode): a checkpoint edited
+    while the engine read it is an error, so the digest always names the
+    bytes the answers came from.
 
     ``settings`` (the deployment's) wins over ``dtype`` and ``max_model_len``;
     without it they make the settings. ``max_model_len`` still bounds the
@@ -257,7 +271,7 @@ def record(
     if not prompt_list:
         raise GoldenError("no prompts to record")
     before = _shard_stats(ckpt)
-    digest = content_digest(ckpt)
+    digest = _digest(ckpt)
     spec = {
         "model": str(ckpt),
         "prompts": prompt_list,

@@ -118,6 +118,13 @@ def _register_gate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--unsafe-silent-fallback", action="store_true",
                    help="NEGATIVE CONTROL: the loader falls back without an event (must BLOCK)")
     p.add_argument("--no-golden", action="store_true", help="promotion: do not record the canary golden")
+    p.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="run each engine as a Ray task on this cluster (auto: $RAY_ADDRESS); daemons run "
+                        "on the nodes that run cached engines (needs preload-gate[ray])")
+    p.add_argument("--ray-resource", action="append", default=[], metavar="NAME=N",
+                   help="with --ray: a custom resource every engine also asks for (repeatable)")
+    p.add_argument("--ray-attempts", type=positive_int, default=2,
+                   help="with --ray: placements tried per engine before its case is not run (default 2)")
     from preload.deployment import add_arguments
 
     add_arguments(p.add_argument_group(
@@ -151,6 +158,16 @@ def _gate(args: argparse.Namespace) -> int:
                              "self-test (--mutations) runs each case in its catalogue's settings: drop the flag")
     settings = DeploymentSettings(**stated) if args.mutations is None else None
 
+    executor = None
+    if args.ray is not None:
+        from harness.gate.ray_executor import RayExecutor, parse_resources
+
+        resources = parse_resources(args.ray_resource)  # a bad one is refused before Ray starts
+        executor = RayExecutor(args.ray, resources, max_attempts=args.ray_attempts, socket_root=None)
+    elif args.ray_resource:
+        from harness.gate import GateSetupError
+
+        raise GateSetupError("--ray-resource applies with --ray ADDRESS: add --ray, or drop the flag")
     unwind_on_signals("gate")
     hold("gate")  # its engines, daemons and prepare children end with it, kill -9 included
     report = run_gate(GateOptions(
@@ -160,7 +177,7 @@ def _gate(args: argparse.Namespace) -> int:
         run_tp=args.run_tp, jobs=args.jobs, engine_timeout_s=args.engine_timeout,
         record_golden=not args.no_golden, progress=None if args.json else TerminalProgress(),
         settings=settings,
-    ))
+    ), executor=executor)
     doc = report.to_json()
     if args.report:
         write_reports(doc, args.report)

@@ -42,6 +42,8 @@ class CaseResult:
     reference: EngineResult | None = None
     cached: EngineResult | None = None
     reference_reused: bool = False
+    # Where each engine ran: {"cached": {"node", "attempts"}, "reference": {...}}.
+    placement: dict[str, Any] = field(default_factory=dict)
 
     def record(self, verdict: Verdict) -> None:
         """Take ``verdict``: its status, and for a NOT_RUN verdict (an
@@ -72,15 +74,14 @@ class CaseResult:
             "reference": engine(self.reference),
             "cached": engine(self.cached),
             "reference_reused": self.reference_reused,
+            "placement": self.placement,
         }
 
 
 @dataclass
 class PreparedCase:
     """A case on its way to its :class:`CaseResult`: the candidate and the two
-    engines that serve it (``auto``, the reference, and the cache's). The
-    gate's daemon path and a cache target's runner each add what only it
-    tracks."""
+    engines that serve it (``auto``, the reference, and the cache's)."""
 
     case: GateCase
     result: CaseResult
@@ -105,6 +106,10 @@ class GateReport:
     error: str | None = None
     daemon: dict[str, Any] = field(default_factory=dict)
     golden: dict[str, Any] = field(default_factory=dict)
+    executor: dict[str, Any] = field(default_factory=dict)  # local, or the Ray cluster and its nodes
+    # Where each checkpoint's digest came from (manifest, promoted, hashed) and
+    # the bytes this run read to hash.
+    identity: dict[str, Any] = field(default_factory=dict)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -144,6 +149,8 @@ class GateReport:
             "error": self.error,
             "daemon": self.daemon,
             "golden": self.golden,
+            "executor": self.executor,
+            "identity": self.identity,
             "cases": [strict_floats(c.to_json()) for c in self.cases],
         }
 

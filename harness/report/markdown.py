@@ -54,8 +54,26 @@ def render_markdown(report: dict[str, Any]) -> str:
                 e = x["fingerprints"].get(s, {}).get("equal")
                 cells.append("?" if e is None else ("=" if e else "x"))
             lines.append(f"| {x['name']} | {'yes' if x['weights_equal'] else 'no'} | " + " | ".join(cells) + " |")
+    lines += _placement(report)
     lines += _differing_outputs(report)
     return "\n".join(lines) + "\n"
+
+
+def _placement(report: dict[str, Any]) -> list[str]:
+    """Which node ran each engine, and every attempt that did not answer (a Ray run)."""
+    ex = report.get("executor") or {}
+    if ex.get("kind") != "ray":
+        return []
+    lines = ["", f"## Where each engine ran (Ray cluster {ex.get('address')}, {len(ex.get('nodes', []))} node(s); "
+             "node ids to 12 characters, whole in report.json)", "",
+             "| case | cached engine's node | reference's node | attempts that did not answer |", "|---|---|---|---|"]
+    for x in report["cases"]:
+        where = x.get("placement") or {}
+        cached, ref = where.get("cached") or {}, where.get("reference") or {}
+        failed = [a.get("why", "") for w in (cached, ref) for a in w.get("attempts", []) if a.get("why")]
+        ref_node = "reused" if ref.get("reused") else (ref.get("node") or "-")[:12]
+        lines.append(f"| {x['name']} | {(cached.get('node') or '-')[:12]} | {ref_node} | {_cell('; '.join(failed))} |")
+    return lines
 
 
 def _differing_outputs(report: dict[str, Any]) -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from fixtures.binformat import BIN_NAME, bin_path, bin_transform, is_bin, to_bin
@@ -128,20 +129,25 @@ def derive_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Pat
     return dst_p
 
 
-def make_candidate(case: GateCase, staged_base: Path, workdir: Path, fmt: str) -> Path:
+def make_candidate(case: GateCase, staged_base: Path, workdir: Path, fmt: str,
+                   before_edit: Callable[[Path], None] | None = None) -> Path:
     """The case's candidate, derived from the staged base in the target's format.
 
     Everything in the base directory travels with the candidate (as ``cp -a``
     does), derived caches included; an in-place row rewrites a private copy
     (where :meth:`fixtures.mutations.Mutation.stage` puts it), never the
     staged base: see :func:`derive_copy` for which files are copies and
-    which are links. One copy per candidate.
+    which are links. One copy per candidate. ``before_edit`` is called on an
+    in-place row's private copy before the recipe overwrites it (the gate
+    fingerprints and promotes it there, as an operator had).
     """
     if case.recipe is None:
         return staged_base
     row = case.recipe
     if row.in_place:
         target = derive_copy(staged_base, workdir / "stage" / f"{row.name}.base")
+        if before_edit is not None:
+            before_edit(target)
     else:
         target = derive_copy(staged_base, workdir / "cand" / row.name)
     transform = bin_transform(row.transform) if fmt == "bin" else row.transform

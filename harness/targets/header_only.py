@@ -13,14 +13,13 @@ children (daemon and engines) and nowhere else.
 
 from __future__ import annotations
 
-from harness.targets.base import UNSAFE_CONTROLS_ENV, CacheTarget
+from harness.targets.base import UNSAFE_CONTROLS_ENV
+from harness.targets.verified_cache import VerifiedCacheTarget
 
 
-class HeaderOnlyTarget(CacheTarget):
+class HeaderOnlyTarget(VerifiedCacheTarget):
     name = "header_only"
     summary = "our daemon under vLLM's header-only key (file names + safetensors headers)"
-    records_events = True
-    uses_daemon_path = True
     unsafe_identity: str | None = "header_only"
     default_cases = ("identical_copy", "zeroed_norm", "tail_edit", "mid_row_zeroed", "single_element",
                      "finetune_noise", "constant_shift", "first_row_zeroed", "inplace_overwrite")

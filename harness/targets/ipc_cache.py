@@ -29,8 +29,7 @@ from typing import Any
 from harness.engine import EngineResult, EngineSpec
 from harness.mutations import EngineSettings, GateCase
 from harness.targets._procs import PrepareError, child_env, kill_group, tail
-from harness.targets.base import CacheTarget, PreparedCache, Served
-from harness.targets.checkpoints import file_digest
+from harness.targets.base import CacheTarget, PrepareContext, PreparedCache, Served
 
 MIN_VLLM = (0, 33)
 READY = re.compile(r"Weight cache daemon READY")
@@ -86,8 +85,7 @@ class IpcCacheTarget(CacheTarget):
     default_cases: tuple[str, ...] = ()  # `all`: the whole catalogue, settings shifts included
     # vLLM's CLI; a test points these at stand-ins for vLLM's public boundary.
     preload_command: tuple[str, ...] = (sys.executable, "-m", "vllm.entrypoints.cli.main", "preload")
-    engine_worker = "harness.engine_worker"
-    reference_worker = "harness.engine_worker"
+    node_local = True  # vLLM's daemon holds the weights in one node's GPUs
     ready_timeout_s = 600.0
 
     def unavailable(self) -> str | None:
@@ -96,7 +94,8 @@ class IpcCacheTarget(CacheTarget):
             return "vLLM's ipc_cache was not run: this machine lacks " + "; and ".join(missing)
         return None
 
-    def prepare(self, base: Path, settings: EngineSettings, workdir: Path, engine_timeout_s: float) -> PreparedCache:
+    def prepare(self, base: Path, settings: EngineSettings, ctx: PrepareContext) -> PreparedCache:
+        workdir = ctx.workdir
         sockets = workdir / "sockets"
         sockets.mkdir(parents=True, exist_ok=True, mode=0o700)
         log = workdir / "vllm-preload.log"
@@ -113,10 +112,10 @@ class IpcCacheTarget(CacheTarget):
                 raise PrepareError(f"vllm preload did not report READY (exit {proc.returncode}); log {log}:\n"
                                    f"{tail(log)}")
             time.sleep(0.5)
-        return PreparedCache(settings, sockets, file_digest(base), handle=proc, info={"log": str(log)})
+        return PreparedCache(settings, sockets, ctx.digest_of(base), handle=proc, info={"log": str(log)})
 
     def cached_spec(self, cache: PreparedCache, case: GateCase, candidate: Path,
-                    common: dict[str, Any]) -> EngineSpec:
+                    common: dict[str, Any], expect: str) -> EngineSpec:
         return EngineSpec(checkpoint=str(candidate), load_format="ipc_cache",
                           extra_config={"socket_dir": str(cache.location), "fallback": True}, **common)
 

@@ -48,17 +48,22 @@ def judge_output_only(reference: EngineResult, cached: EngineResult, served: Ser
 
 
 def judge_served(target: CacheTarget, case: GateCase, result: CaseResult, served: Served,
-                 tolerance: float) -> Verdict:
+                 tolerance: float, mismatched_fields: tuple[str, ...] = (), is_moe: bool = False) -> Verdict:
+    """The case's verdict. ``mismatched_fields``: the key fields the product's
+    key rule finds changed between the cache's settings and the engine's
+    (they make a hit wrong); ``is_moe``: vLLM's answer, which decides whether
+    DP ranks number the daemon's ranks."""
     assert result.reference is not None and result.cached is not None
     if not target.records_events:
         return judge_output_only(result.reference, result.cached, served, tolerance)
     # A target that records events and recorded none served without saying
     # so: judge() blocks that as silent_fallback, never judged on output alone.
-    # The required outcome follows from the digests, never from the case's name.
-    outcome = expected_outcome(result.candidate_digest, result.daemon_digest, case.expected_fields)
+    # The required outcome follows from the digests and keys, never from the case's name.
+    fields = tuple(mismatched_fields) or case.expected_fields
+    outcome = expected_outcome(result.candidate_digest, result.daemon_digest, fields)
     exp = Expectation(outcome=outcome, candidate_digest=result.candidate_digest,
                       daemon_digest=result.daemon_digest, ranks=case.settings.tensor_parallel_size,
-                      expected_fields=case.expected_fields)
+                      expected_fields=fields, dp_size=case.settings.data_parallel_size, is_moe=is_moe)
     v = judge(exp, result.reference, result.cached, tolerance)
     v.details += [f"note: {n}" for n in served.notes]
     return v

@@ -24,8 +24,7 @@ from typing import Any
 from harness.engine import EngineResult, EngineSpec
 from harness.mutations import BASE_SETTINGS, EngineSettings, GateCase
 from harness.targets._procs import run_all
-from harness.targets.base import CacheTarget, PreparedCache, Served
-from harness.targets.checkpoints import file_digest
+from harness.targets.base import CacheTarget, PrepareContext, PreparedCache, Served
 
 
 def dump_digest(ckpt: Path) -> str | None:
@@ -52,20 +51,20 @@ class NpcacheTarget(CacheTarget):
             return "npcache keeps one dump per checkpoint directory, with no parallel layout to prepare"
         return None
 
-    def prepare(self, base: Path, settings: EngineSettings, workdir: Path, engine_timeout_s: float) -> PreparedCache:
-        run_all([["-m", "harness.targets._npcache_dump", str(base)]], [workdir / "npcache-dump.log"],
-                timeout_s=engine_timeout_s)
-        return PreparedCache(settings, base / "np", file_digest(base), info={"dump": dump_digest(base),
+    def prepare(self, base: Path, settings: EngineSettings, ctx: PrepareContext) -> PreparedCache:
+        run_all([["-m", "harness.targets._npcache_dump", str(base)]], [ctx.workdir / "npcache-dump.log"],
+                timeout_s=ctx.engine_timeout_s)
+        return PreparedCache(settings, base / "np", ctx.digest_of(base), info={"dump": dump_digest(base),
                                                                             "before": {}})
 
-    def place(self, cache: PreparedCache, candidate: Path) -> None:
+    def place(self, cache: PreparedCache, candidate: Path, ctx: PrepareContext) -> None:
         """A candidate given as is (promotion) gets the base's dump, as a directory
         copied from the served base would; candidates made from the base carry it."""
         if not (candidate / "np").exists():
             shutil.copytree(cache.location, candidate / "np", copy_function=shutil.copy2)
 
     def cached_spec(self, cache: PreparedCache, case: GateCase, candidate: Path,
-                    common: dict[str, Any]) -> EngineSpec:
+                    common: dict[str, Any], expect: str) -> EngineSpec:
         # What sits in np/ when the engine starts (after this, the engine may write a dump).
         cache.info["before"][str(candidate)] = dump_digest(candidate)
         return EngineSpec(checkpoint=str(candidate), load_format="npcache", **common)

@@ -26,8 +26,8 @@ from typing import Any
 from harness.engine import EngineResult, EngineSpec
 from harness.mutations import EngineSettings, GateCase
 from harness.targets._procs import run_all
-from harness.targets.base import CacheTarget, PreparedCache, Served
-from harness.targets.checkpoints import file_digest, weight_files
+from harness.targets.base import CacheTarget, PrepareContext, PreparedCache, Served
+from harness.targets.checkpoints import weight_files
 from pgbase.ports import free_port
 
 _WARNINGS = re.compile(r"(loading tensor of shape .*|Attempted to load weight .*)")
@@ -40,7 +40,8 @@ class ShardedStateTarget(CacheTarget):
     checkpoint_format = "safetensors"
     default_cases = ("identical_copy", "zeroed_norm", "stale_derivation", "inplace_overwrite", "tp_2_to_1")
 
-    def prepare(self, base: Path, settings: EngineSettings, workdir: Path, engine_timeout_s: float) -> PreparedCache:
+    def prepare(self, base: Path, settings: EngineSettings, ctx: PrepareContext) -> PreparedCache:
+        workdir = ctx.workdir
         out = workdir / "sharded"
         out.mkdir(parents=True, exist_ok=True)
         weights = {p.name for p in weight_files(base)}
@@ -51,12 +52,12 @@ class ShardedStateTarget(CacheTarget):
         init = f"tcp://127.0.0.1:{free_port()}"
         cmds = [["-m", "harness.targets._sharded_save", str(base), str(out), str(tp), str(r), init, settings.dtype]
                 for r in range(tp)]
-        run_all(cmds, [workdir / f"save-rank{r}.log" for r in range(tp)], timeout_s=engine_timeout_s)
+        run_all(cmds, [workdir / f"save-rank{r}.log" for r in range(tp)], timeout_s=ctx.engine_timeout_s)
         files = sorted(p.name for p in out.glob("model-rank-*-part-*.safetensors"))
-        return PreparedCache(settings, out, file_digest(base), info={"files": files, "tp": tp})
+        return PreparedCache(settings, out, ctx.digest_of(base), info={"files": files, "tp": tp})
 
     def cached_spec(self, cache: PreparedCache, case: GateCase, candidate: Path,
-                    common: dict[str, Any]) -> EngineSpec:
+                    common: dict[str, Any], expect: str) -> EngineSpec:
         return EngineSpec(checkpoint=str(cache.location), load_format="sharded_state", **common)
 
     def served(self, cache: PreparedCache, case: GateCase, candidate: Path, candidate_digest: str,

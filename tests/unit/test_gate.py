@@ -194,15 +194,18 @@ def test_reference_cache_keys_on_digest_settings_version_and_skips_failures(tmp_
 def test_case_is_not_run_until_judged(tiny_ckpt, tmp_path, monkeypatch):
     """A prepared case is NOT_RUN and a report of it cannot pass; judging the
     same case (control) is what turns it into PASS."""
-    from harness.gate import _judge, _prepare, content_digest
+    from gate_cases import prepare
+
+    from harness.gate import content_digest
+    from harness.gate.runner import judge_case
 
     monkeypatch.setattr("harness.gate.fingerprints.HEADER_IMPL", "reimpl")
     (case,) = select_cases("identical_copy")
     digest = content_digest(tiny_ckpt)
     sock = tmp_path / "s"
     sock.mkdir(mode=0o700)
-    p = _prepare(GateOptions(candidate=str(tiny_ckpt), mutations="identical_copy"), case, tiny_ckpt, tiny_ckpt,
-                 digest, tmp_path / "w", str(sock), True)
+    plan, p = prepare(GateOptions(candidate=str(tiny_ckpt), mutations="identical_copy"), case, digest,
+                      tmp_path / "w", str(sock))
     assert p.result.status == NOT_RUN and p.result.not_run_reason
     report = GateReport("self-test", "verified_cache", "c", "b", [p.result], {}, 1e-3, None)
     assert report.verdict == NOT_RUN and report.exit_code == 2
@@ -210,14 +213,16 @@ def test_case_is_not_run_until_judged(tiny_ckpt, tmp_path, monkeypatch):
     p.result.reference = EngineResult(ok=True, **answers)
     p.result.cached = EngineResult(ok=True, **answers,
                                    events=[{"outcome": "hit", "rank": 0, "digest": digest, "daemon_digest": digest}])
-    _judge(GateOptions(candidate=str(tiny_ckpt)), p)
+    judge_case(plan, p)
     assert p.result.status == PASS and report.verdict == PASS
 
 
 def test_switch_to_identical_base_requires_a_hit(tiny_ckpt, tmp_path, monkeypatch):
     """`gate A --base A`: equal content, equal key: a hit is required. Control:
     a base with other content requires a miss. Neither follows from the name."""
-    from harness.gate import _prepare, content_digest
+    from gate_cases import prepare
+
+    from harness.gate import content_digest
     from harness.gate.cases import switch_case
 
     monkeypatch.setattr("harness.gate.fingerprints.HEADER_IMPL", "reimpl")
@@ -225,14 +230,14 @@ def test_switch_to_identical_base_requires_a_hit(tiny_ckpt, tmp_path, monkeypatc
     sock.mkdir(mode=0o700)
     digest = content_digest(tiny_ckpt)
     o1 = GateOptions(candidate=str(tiny_ckpt), base=str(tiny_ckpt))
-    same = _prepare(o1, switch_case(o1), tiny_ckpt, tiny_ckpt, digest, tmp_path / "w1", str(sock), False)
+    same = prepare(o1, switch_case(o1), digest, tmp_path / "w1", str(sock))[1]
     assert same.result.expect == "hit" and same.cached_spec.extra_config["fallback"] is False
     other = tmp_path / "other"
     from fixtures.tiny import write_tiny
 
     write_tiny(other, seed=99)
     o2 = GateOptions(candidate=str(tiny_ckpt), base=str(other))
-    diff = _prepare(o2, switch_case(o2), tiny_ckpt, tiny_ckpt, digest, tmp_path / "w2", str(sock), False)
+    diff = prepare(o2, switch_case(o2), content_digest(other), tmp_path / "w2", str(sock))[1]
     assert diff.result.expect == "miss" and diff.cached_spec.extra_config["fallback"] is True
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from gate_cases import prepare
 
-from harness.gate import GateOptions, _prepare, content_digest
+from harness.gate import GateOptions, content_digest
 from harness.mutations import select_cases
 from preload.identity.manifest import StaleManifestError, resolve_digest
 
@@ -24,7 +25,7 @@ def _prep(name: str, tiny: Path, tmp: Path, **kw):
     opts = GateOptions(candidate=str(tiny), mutations=name, **kw)
     sock = tmp / "sock"
     sock.mkdir(mode=0o700, parents=True)
-    return _prepare(opts, case, tiny, tiny, base_digest, tmp / "work", str(sock), True), base_digest
+    return prepare(opts, case, base_digest, tmp / "work", str(sock))[1], base_digest
 
 
 def test_inplace_mtime_restored_is_seen_by_the_stat_check(tiny_ckpt, tmp_path, monkeypatch):

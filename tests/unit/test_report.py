@@ -142,6 +142,20 @@ def test_markdown_shows_what_each_engine_answered_where_tokens_differ():
     assert "the capital of the city of" in row and "Paris.\\|" in row
 
 
+def test_markdown_says_which_node_ran_each_engine_on_a_ray_run():
+    report = sample_report()
+    assert "## Where each engine ran" not in render_markdown(report)  # control: a local run has no such section
+    report["executor"] = {"kind": "ray", "address": "ray://head:10001", "nodes": [{"node": "a" * 56}, {"node": "b" * 56}]}
+    case = next(c for c in report["cases"] if c["name"] == "single_element")
+    case["placement"] = {"cached": {"node": "b" * 56, "attempts": [
+                             {"node": "a" * 56, "why": "node aaaaaaaaaaaa: NodeDiedError: lost"}, {"node": "b" * 56}]},
+                         "reference": {"node": None, "attempts": [], "reused": True}}
+    section = render_markdown(report).split("## Where each engine ran")[1]
+    assert "ray://head:10001, 2 node(s)" in section
+    row = next(ln for ln in section.splitlines() if ln.startswith("| single_element"))
+    assert row == "| single_element | bbbbbbbbbbbb | reused | node aaaaaaaaaaaa: NodeDiedError: lost |"
+
+
 def test_html_is_self_contained_and_escaped():
     html = render_html(sample_report())
     assert "<script>alert(1)</script>" not in html and "&lt;script&gt;" in html
