@@ -70,8 +70,7 @@ def gate_selftest(options: BenchOptions) -> list[BenchResult]:
 
 @bench_row("gate_ray", "gate self-test on the tiny fixture: local vs a two-node Ray cluster on this machine",
            heavy="the self-test twice (locally, then on two Ray nodes): a daemon per node and every engine twice",
-           params=(P.Param("mutations", P.mutations, "identical_copy,zeroed_norm,single_element",
-                           "all or comma-separated mutation cases"),))
+           params=(P.Param("mutations", P.MUTATIONS, "identical_copy,zeroed_norm,single_element"),))
 def gate_ray(options: BenchOptions) -> list[BenchResult]:
     """Both runs cold (each its own reference cache), back to back: what Ray
     adds on one machine (no speed-up is expected from two nodes on two
