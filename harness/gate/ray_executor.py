@@ -53,6 +53,7 @@ from harness.gate.options import GateSetupError
 from harness.gate.schedule import EngineJob, Outcome
 from harness.mutations import EngineSettings
 from harness.targets.base import CacheTarget, PrepareContext, PreparedCache
+from pgbase import atomic
 
 EXTRA = "pip install 'preload-gate[ray]'"
 LOG_BYTES = 1 << 20  # the end of an engine's log that comes back to the report's workdir
@@ -385,7 +386,7 @@ def _keep_log(workdir: Path, text: str) -> None:
     except OSError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
+    atomic.write_text(path, text)
 
 
 def _have(node: dict[str, Any], want: dict[str, float]) -> dict[str, float]:

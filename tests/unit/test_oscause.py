@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from daemon_support import repo_pythonpath
+from reliability_support import skip_privileged
 from safetensors.numpy import save_file
 
 from pgbase import oscause
@@ -142,7 +143,7 @@ CONTROLS = {
 def test_real_failure_named_by_its_cause(files, name, setup, reader, file, want, unwanted):
     if setup == "other_uid" and not _other_uid_denied():
         if "/" in file:
-            pytest.skip("a directory another uid cannot enter needs root to make the other uid")
+            skip_privileged("a directory another uid cannot enter needs root to make the other uid")
         os.chmod(files / file, 0)  # as a non-root user, chmod 000 is the same denial
         setup = "none"
     got = run_reader(setup, reader, str(files / file))

@@ -153,10 +153,12 @@ GATE = textwrap.dedent("""
     import harness.engine as E
     import harness.gate as G
     import harness.gate.fingerprints as F
+    import harness.gate.schedule as S
+    import harness.targets.verified_cache as V
     ckpt, workdir, refs, unwind = sys.argv[1:5]
     F.HEADER_IMPL = "reimpl"
 
-    class RawDaemon(G.DaemonProcess):
+    class RawDaemon(V.DaemonProcess):
         # Not __post_init__: DaemonProcess's dataclass __init__ was generated
         # without one, so a subclass's is never called (the loaded stage, which
         # needs vLLM, ran instead, and the unit tier without vLLM failed here).
@@ -164,8 +166,8 @@ GATE = textwrap.dedent("""
             self.args = [*self.args, "--stage", "raw"]
             return super().start(*args, **kwargs)
 
-    G.DaemonProcess = RawDaemon
-    G.run_engine = lambda spec, wd, timeout_s: E.run_engine(spec, wd, timeout_s=timeout_s, worker="sleepy_engine")
+    V.DaemonProcess = RawDaemon
+    S.run_engine = lambda spec, wd, timeout_s, worker=None: E.run_engine(spec, wd, timeout_s=timeout_s, worker="sleepy_engine")
     if unwind == "1":
         E.unwind_on_signals("gate")
     G.run_gate(G.GateOptions(candidate=ckpt, mutations="identical_copy", workdir=workdir, reference_cache=refs))

@@ -81,7 +81,10 @@ STARTER = textwrap.dedent("""
     from harness.targets.ipc_cache import IpcCacheTarget
     t = IpcCacheTarget()
     t.preload_command = (*standin, "ipc_cache")
-    bg(t.prepare, work, types.SimpleNamespace(dtype="bfloat16", tensor_parallel_size=1), work / "ipc", 3600.0)
+    from harness.targets.base import PrepareContext
+    ctx = PrepareContext(workdir=work / "ipc", socket_root=str(work), engine_timeout_s=3600.0,
+                         digest_of=lambda _p: "0" * 64, promote=lambda _p: "0" * 64)
+    bg(t.prepare, work, types.SimpleNamespace(dtype="bfloat16", tensor_parallel_size=1), ctx)
 
     from canaries import golden
     golden._WORKER_ARGS = ("-m", "pgstandin", "golden")
