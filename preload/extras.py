@@ -26,7 +26,7 @@ from pgbase.errors import PreloadGateError
 
 # pyproject's [project.optional-dependencies] (tests/unit/test_cli_verbs.py
 # holds them equal to the installed distribution's Provides-Extra).
-EXTRAS = ("cpu", "gpu", "hf", "dev")
+EXTRAS = ("cpu", "gpu", "hf", "dev", "ray")
 
 # Top-level packages of this distribution: one of these missing is a broken
 # install or a bug, never a missing extra.

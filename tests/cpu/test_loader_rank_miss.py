@@ -29,12 +29,12 @@ def test_missing_rank_names_tp_fields_from_a_sibling_daemon(tiny_ckpt):
     try:
         sdir = daemon.socket_dir
         key = dataclasses.replace(raw_key(tiny_ckpt, daemon.ready["digest"], "shm"), tp_size=2, tp_rank=1)
-        miss = _loader(root)._other_rank_mismatch(sdir, 1, key)
+        miss = _loader(root)._other_rank_mismatch(sdir, 1, key, str(tiny_ckpt))
         assert miss is not None
         assert {"tp_size", "tp_rank"} <= set(miss.fields)
         assert "serves ranks [0], not rank 1" in miss.reason
         # Control: a socket dir with no daemon at all stays "no daemon for this digest".
         empty = short_dir()
-        assert _loader(root)._other_rank_mismatch(empty, 1, key) is None
+        assert _loader(root)._other_rank_mismatch(empty, 1, key, str(tiny_ckpt)) is None
     finally:
         daemon.stop()

@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -244,10 +245,12 @@ def test_not_root_is_a_clear_refusal(tmp_path, monkeypatch):
 
 
 def test_no_dev_fuse_is_a_clear_refusal(tmp_path, monkeypatch):
+    # Temp dirs go under tmp_path: other workers' mounts in /tmp are not ours to judge.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     real_open = os.open
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.setattr(os, "open", lambda p, *a, **k: (_ for _ in ()).throw(FileNotFoundError(2, "No such file"))
                         if p == "/dev/fuse" else real_open(p, *a, **k))
     with pytest.raises(FuseUnavailableError, match="/dev/fuse"), FuseFS(tmp_path):
         pass
-    assert not [m for m in os.listdir("/tmp") if m.startswith("pg-fuse-") and mounted(f"/tmp/{m}")]
+    assert not [m for m in os.listdir(tmp_path) if m.startswith("pg-fuse-")]  # no mount point made, none left
