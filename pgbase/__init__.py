@@ -9,6 +9,9 @@ One module per concern, each importable without torch or vLLM:
 - :mod:`pgbase.fileset`: which weight files vLLM's loader reads;
 - :mod:`pgbase.shards`: that shard set and each shard's safetensors header,
   valid by the safetensors library's own rules.
+- :mod:`pgbase.dtypes`: the one dtype table (the dtypes safetensors and
+  torch share, built from their own tables); its safetensors half needs no
+  torch, its torch half imports torch when first asked;
 - :mod:`pgbase.digest_text`: the one reader of a SHA-256 digest handed to
   us as text (a flag, a config key, a manifest, a golden, a reply);
 - :mod:`pgbase.procs`: stopping a child's whole process group (SIGTERM,

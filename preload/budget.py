@@ -32,9 +32,8 @@ the rank's connection cap). What the daemon's stages hold, from their source:
   then read one shard at a time into it (a shard, the memfd, its mapping);
   the processed stage lets vLLM's ``load_weights`` take the whole checkpoint
   through our iterator first and makes the arena after the last shard is
-  closed (the larger of the two). The dtype probe
-  (:func:`preload.daemon.proof.torch_dtype`) opens one file at a time too,
-  never beside the arena in a way that needs more.
+  closed (the larger of the two). The dtype table
+  (:mod:`pgbase.dtypes`) asks the libraries in memory and opens no file.
 - serving: the listening socket and the rank lock, then per engine
   connection its socket and the arena's duplicates while a reply is sent.
 

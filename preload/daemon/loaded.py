@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from pgbase.dtypes import check_header
 from pgbase.errors import CheckpointError, PreloadGateError
 from pgbase.shards import check_unique_tensors, read_header, shard_paths
 from preload.budget import check_memory, rank_open_files, reserve_open_files
@@ -51,11 +52,10 @@ class ProvenWeights:
         headers = [read_header(p) for p in self.paths]
         # A tensor in two files resolves by directory order in vLLM: refused.
         check_unique_tensors(headers)
-        # Each dtype asked of the library now (one probe file each, cached):
-        # never while a shard and the arena are open (preload.budget).
+        # Every dtype checked against the shared table (pgbase.dtypes) before
+        # the first weight byte: one torch has no type for is refused here.
         for h in headers:
-            for t in h.tensors:
-                torch_dtype(t, h.name)
+            check_header(h)
         self.digests: dict[str, str] = {}
         self.bytes_read = 0
         # Arena views a checkpoint tensor can be read straight into (same name,

@@ -10,10 +10,8 @@ a previous read, a manifest or a file's stat.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import io
-import json
 import os
 import struct
 from collections.abc import Mapping
@@ -21,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from pgbase import dtypes
 from pgbase.errors import CheckpointError, DigestMismatchError
 from pgbase.oscause import describe
 from pgbase.shards import (
@@ -35,58 +34,19 @@ from preload.identity.manifest import Manifest, promote_command
 
 CHUNK_BYTES = 8 << 20
 
-@functools.cache
-def _library_torch_form(dtype: str) -> tuple[torch.dtype, int] | None:
-    """The torch dtype the safetensors library loads ``dtype`` as, and how many
-    file elements one torch element packs (2 for ``F4``), asked of the library
-    (``safe_open(framework="pt").get_tensor``, as vLLM's loader reads) on an
-    eight-element file; None when the library cannot load it into torch."""
-    import tempfile
-
-    from safetensors import safe_open
-
-    path = "the dtype probe file"
-    try:
-        with tempfile.TemporaryDirectory(prefix="pg-dtype-") as tmp:
-            path = os.path.join(tmp, "probe.safetensors")
-            for nbytes in range(1, 65):
-                blob = json.dumps({"t": {"dtype": dtype, "shape": [8], "data_offsets": [0, nbytes]}}).encode()
-                with open(path, "wb") as f:
-                    f.write(struct.pack("<Q", len(blob)) + blob + bytes(nbytes))
-                try:
-                    with safe_open(path, framework="pt") as st:
-                        t = st.get_tensor("t")
-                except Exception as exc:
-                    if isinstance(exc, (OSError, MemoryError)):
-                        raise  # the system said no (EMFILE reads "No such file"): not the library's answer
-                    continue
-                return t.dtype, 8 // max(1, int(t.shape[-1]))
-    except (OSError, MemoryError) as exc:
-        raise CheckpointError(f"cannot ask the safetensors library how it loads dtype {dtype}: "
-                              f"{describe(exc, path)}") from exc
-    return None
-
-
 def torch_dtype(info: TensorInfo, shard: str) -> torch.dtype:
-    form = _library_torch_form(info.dtype)
-    if form is None:
-        raise CheckpointError(f"tensor {info.name!r}: the safetensors library cannot load dtype {info.dtype} "
-                              "into torch", shard)
-    return form[0]
+    """The torch dtype ``safe_open(framework="pt")`` loads ``info`` as, from
+    the one table of dtypes safetensors and torch share (:mod:`pgbase.dtypes`);
+    CheckpointError naming the tensor, the dtype and the versions when torch
+    has no type for it."""
+    return dtypes.for_tensor(info.name, info.dtype, info.shape, shard).torch
 
 
 def torch_shape(info: TensorInfo, shard: str) -> tuple[int, ...]:
     """``info.shape`` as the library's torch tensor has it (packed dtypes
-    shrink the last dimension)."""
-    form = _library_torch_form(info.dtype)
-    if form is None or form[1] == 1 or not info.shape:
-        return info.shape
-    if info.shape[-1] % form[1]:
-        # The library will not load it either (found by tests/unit/test_identity_headers.py).
-        raise CheckpointError(f"tensor {info.name!r}: {info.dtype} packs {form[1]} values per element; the "
-                              f"last dimension {info.shape[-1]} does not divide, the safetensors library "
-                              "cannot load it into torch", shard)
-    return (*info.shape[:-1], info.shape[-1] // form[1])
+    shrink the last dimension: ``F4`` packs two values per
+    ``float4_e2m1fn_x2``); CheckpointError when it does not divide."""
+    return dtypes.torch_shape(dtypes.for_tensor(info.name, info.dtype, info.shape, shard), info.shape)
 
 
 class ProvenShard:

@@ -199,6 +199,13 @@ def build_manifest(
             raise CheckpointError("shard is empty", p.name)
         headers.append(read_header(p))
     check_unique_tensors(headers)
+    # A dtype safetensors knows and torch has no type for cannot be served by
+    # any stage: refused here, before the first weight byte is hashed.
+    # (Imported here: it imports torch, which preload.identity does not need.)
+    from pgbase.dtypes import check_header
+
+    for h in headers:
+        check_header(h)
     before = {p.name: FileStat.of(p) for p in paths}
     digests = hash_shards(paths, workers=workers, progress=progress)
     records = []

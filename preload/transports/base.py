@@ -41,27 +41,21 @@ from typing import Any
 import msgspec
 import torch
 
+from pgbase import dtypes
 from pgbase.errors import PreloadGateError
 
 ALIGN = 256
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
-    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
-    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
-}
-
-
 def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype's name on the wire (``"float8_e8m0fnu"``)."""
     return str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {name!r}") from None
+    """The torch dtype a wire name stands for: any dtype safetensors and the
+    installed torch share (:mod:`pgbase.dtypes`, built from their own
+    tables). ValueError naming the dtype, the versions and the known names."""
+    return dtypes.by_name(name).torch
 
 
 @dataclass(frozen=True)
@@ -98,10 +92,14 @@ class Layout:
 
     @classmethod
     def plan(cls, specs: list[tuple[str, torch.dtype, tuple[int, ...], str]], align: int = ALIGN) -> Layout:
-        """Place ``(name, dtype, shape, kind)`` specs at ``align``-byte offsets."""
+        """Place ``(name, dtype, shape, kind)`` specs at ``align``-byte offsets.
+
+        ``shape`` is the torch tensor's (a packed dtype's last dimension
+        already divided); bytes per element are torch's ``dtype.itemsize``.
+        """
         entries, cursor = [], 0
         for name, dtype, shape, kind in specs:
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
             entries.append(Entry(name, dtype_name(dtype), tuple(shape), cursor, nbytes, kind))
             cursor += -(-nbytes // align) * align
         return cls(tuple(entries), max(cursor, align))
