@@ -1,0 +1,251 @@
+"""Every dtype safetensors and torch share is served byte for byte (issue 29).
+
+The dtypes are the installed libraries' (:mod:`pgbase.dtypes`, built from
+safetensors' and torch's own tables), not a list of ours: a dtype a new
+release adds is served here without a change to this file. For each one a
+checkpoint written by ``safetensors.torch.save_file`` with odd shapes (empty,
+a zero dimension, scalar, one element, odd lengths) goes
+
+- through the raw fill and the shm arena's attach in this process, one row
+  per dtype (a row names the dtype that fails);
+- through a real raw-stage daemon (promote, ``preload-gate preload --stage
+  raw``, attach over its socket), all dtypes in one checkpoint;
+
+and every tensor must equal ``safe_open(framework="pt").get_tensor``: the
+same torch dtype, the same shape, the same bytes. A dtype safetensors knows
+and torch has no type for (``F6_E2M3`` in safetensors 0.8) is refused at
+``promote`` in one line naming the tensor, the dtype and both versions, exit
+2, nothing written; its control, the same bytes as ``U8``, promotes.
+
+Before issue 29 the arena's hand-written table of 12 dtypes refused
+``float8_e8m0fnu`` (the block scales of MX checkpoints) with "unsupported
+dtype", and the 10,000-file header test passed: it never went through an
+arena.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors
+import torch
+from daemon_support import REPO, Daemon, short_dir
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from fixtures.shardfile import RawTensor, write_shard
+from pgbase import dtypes
+from preload.client import DaemonClient
+from preload.daemon.raw import fill_raw, raw_key
+from preload.promote import promote
+from preload.transports.shm import ShmTransport
+
+pytestmark = [pytest.mark.unit, pytest.mark.xdist_group(name="dtypes_served")]
+
+SHARED = dict(dtypes.shared())
+# safetensors codes torch has no type for, in the installed versions.
+UNSHARED = [c for c in dtypes.safetensors_codes() if c not in SHARED]
+# Torch shapes (a packed dtype's last dimension counts torch elements).
+SHAPES = {
+    "empty": (0,),
+    "zero_dim": (3, 0),
+    "scalar": (),
+    "one": (1,),
+    "odd": (7,),
+    "odd_2d": (3, 5),
+}
+
+
+def shapes_for(d: dtypes.DType) -> dict[str, tuple[int, ...]]:
+    # A scalar holds one value; a packed torch element holds per_element of
+    # them, so safetensors refuses to write a packed scalar ("slicing for
+    # subbytes dtypes"): no such file exists to serve.
+    return {k: s for k, s in SHAPES.items() if s or d.per_element == 1}
+
+
+def sample(d: dtypes.DType, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A tensor of every bit pattern mix (bool: 0 or 1, as torch stores it)."""
+    n = torch.Size(shape).numel() * d.itemsize
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    if d.torch == torch.bool:
+        raw &= 1
+    return raw.view(d.torch).reshape(shape)
+
+
+def write_checkpoint(root: Path, codes: list[str]) -> Path:
+    root.mkdir(parents=True)
+    tensors = {}
+    for i, code in enumerate(codes):
+        d = SHARED[code]
+        for name, shape in shapes_for(d).items():
+            tensors[f"{code.lower()}.{name}"] = sample(d, shape, seed=1000 * i + len(tensors))
+    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+    (root / "config.json").write_text(json.dumps({"architectures": ["DtypeProbe"]}))
+    return root
+
+
+def library_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    # Views only (reshape of a contiguous tensor copies nothing): some dtypes
+    # (float4_e2m1fn_x2) have no copy kernels.
+    assert t.is_contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_served_equal(served: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(served) == sorted(want)
+    for name, t in want.items():
+        got = served[name]
+        assert (got.dtype, tuple(got.shape)) == (t.dtype, tuple(t.shape)), name
+        assert raw_bytes(got) == raw_bytes(t), f"{name}: bytes differ from safe_open's"
+
+
+def test_the_table_is_what_both_libraries_share():
+    """Every torch dtype safetensors writes is in the table, read back as
+    itself by safe_open; every float8 variant and e8m0 (MX scales) among them."""
+    floats8 = {
+        v
+        for v in vars(torch).values()
+        if isinstance(v, torch.dtype) and str(v).startswith("torch.float8")
+    }
+    assert floats8 and floats8 <= {d.torch for d in SHARED.values()}
+    assert SHARED["F8_E8M0"].torch == torch.float8_e8m0fnu
+    assert set(SHARED) <= set(dtypes.safetensors_codes())
+    for code, d in SHARED.items():
+        assert d.bits * d.per_element == 8 * d.itemsize == 8 * d.torch.itemsize, code
+        assert dtypes.by_name(d.name) is d and dtypes.by_torch(d.torch) is d
+    # The other direction: a torch dtype save_file stores and safe_open reads
+    # back as itself is one the table has (the table misses none).
+    scratch = Path(short_dir("pg-dt-"))
+    try:
+        for dt in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
+            try:
+                save_file({"t": torch.empty((0,), dtype=dt)}, str(scratch / "t.safetensors"))
+            except Exception:
+                continue  # safetensors does not store this torch dtype
+            with safe_open(str(scratch / "t.safetensors"), framework="pt") as f:
+                assert f.get_tensor("t").dtype == dt
+            assert dtypes.by_torch(dt).torch == dt, dt
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_an_unknown_wire_name_is_refused_naming_the_known_ones():
+    with pytest.raises(
+        ValueError, match=r"'float7'.*safetensors .*torch .*one of .*float8_e8m0fnu"
+    ):
+        dtypes.by_name("float7")
+
+
+@pytest.mark.parametrize("code", sorted(SHARED))
+def test_raw_fill_and_shm_attach_equal_safe_open(tmp_path, code):
+    ckpt = write_checkpoint(tmp_path / "ckpt", [code])
+    want = library_tensors(ckpt)
+    transport = ShmTransport()
+    filled = fill_raw(ckpt, transport, None)
+    try:
+        fds = [os.dup(fd) for fd in filled.arena.fds()]  # attach takes ownership
+        att = transport.attach(filled.arena.descriptor(), fds, filled.layout, writable=False)
+        try:
+            assert_served_equal(att.tensors, want)
+        finally:
+            att.close()
+    finally:
+        filled.arena.close()
+
+
+@pytest.fixture(scope="module")
+def every_dtype_daemon(tmp_path_factory):
+    root, cache = short_dir(), tmp_path_factory.mktemp("cache")
+    ckpt = write_checkpoint(tmp_path_factory.mktemp("all") / "ckpt", sorted(SHARED))
+    promote(ckpt, socket_root=root, cache_dir=cache)
+    d = Daemon(ckpt, root, cache, ("--stage", "raw")).start()
+    yield d
+    d.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_raw_daemon_serves_every_shared_dtype_as_safe_open_loads_it(every_dtype_daemon):
+    d = every_dtype_daemon
+    want = library_tensors(d.checkpoint)
+    assert {n.split(".")[0] for n in want} == {c.lower() for c in SHARED}
+    client = DaemonClient.connect(d.socket_dir, 0)
+    try:
+        state = client.get_state(raw_key(d.checkpoint, d.ready["digest"], "shm"))
+        att = state.attach(writable=False)
+        try:
+            assert_served_equal(att.tensors, want)
+        finally:
+            att.close()
+    finally:
+        client.close()
+
+
+def _promote_cli(ckpt: Path, base: Path) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ,
+        PRELOAD_GATE_CACHE=str(base / "cache"),
+        PRELOAD_GATE_SOCKET_ROOT=str(base / "sock"),
+        PYTHONPATH=str(REPO),
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "preload_gate", "promote", str(ckpt), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=base,
+    )
+
+
+def _f6_checkpoint(root: Path, code: str, as_code: str | None = None) -> Path:
+    """One tensor of eight ``code`` values (or their bytes as ``as_code``,
+    the control), written byte for byte: torch cannot make one."""
+    root.mkdir(parents=True)
+    nbytes = dtypes.data_nbytes(code, (8,))
+    data = bytes(range(1, nbytes + 1))
+    t = RawTensor(code, (8,), data) if as_code is None else RawTensor(as_code, (nbytes,), data)
+    write_shard(
+        root / "model.safetensors", {"scales": RawTensor("F32", (2,), bytes(8)), "mx.weight": t}
+    )
+    return root
+
+
+@pytest.mark.skipif(not UNSHARED, reason="the installed safetensors knows no dtype torch lacks")
+@pytest.mark.parametrize("code", UNSHARED)
+def test_promote_refuses_a_dtype_torch_has_no_type_for(tmp_path, code):
+    ckpt = _f6_checkpoint(tmp_path / "ckpt", code)
+    # The premise: the library accepts the file, and cannot load the tensor into torch.
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        assert f.get_slice("mx.weight").get_dtype() == code
+        with pytest.raises(Exception):  # noqa: B017 (any refusal of the library's)
+            f.get_tensor("mx.weight")
+    (tmp_path / "cache").mkdir()
+    p = _promote_cli(ckpt, tmp_path)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    line = lines[0]
+    for needle in (
+        "'mx.weight'",
+        code,
+        f"safetensors {safetensors.__version__}",
+        f"torch {torch.__version__}",
+    ):
+        assert needle in line, (needle, line)
+    assert list((tmp_path / "cache").rglob("*")) == [], "promote wrote into the cache"
+    # Control: the same bytes as U8 promote.
+    ok = _promote_cli(_f6_checkpoint(tmp_path / "control", code, as_code="U8"), tmp_path)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert json.loads(ok.stdout)["digest"]
