@@ -33,6 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
+from pgbase import dtypes
 from pgbase.errors import CheckpointError
 from pgbase.shards import read_header
 from preload.daemon.proof import ProvenShard, torch_dtype, torch_shape
@@ -40,12 +41,10 @@ from preload.daemon.proof import ProvenShard, torch_dtype, torch_shape
 pytestmark = pytest.mark.unit
 
 N_FILES = 10_000
-# Every dtype safetensors 0.8 knows (F8 variants included), and some it does not.
-DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F8_E4M3FNUZ": 1,
-    "F8_E5M2FNUZ": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8, "C64": 8, "F4": 0.5, "F6_E2M3": 0.75, "F6_E3M2": 0.75,
-}
+# Every dtype the installed safetensors knows (pgbase.dtypes reads them from the
+# library itself, F8 variants and sub-byte F4/F6 included), bytes per value by
+# the library's own bit sizes; and some dtypes it does not know.
+DTYPE_BYTES = {c: dtypes.code_bits(c) / 8 for c in dtypes.safetensors_codes()}
 UNKNOWN_DTYPES = ["F8", "FP32", "f32", "Q4_0", "F8_E4M3FN", ""]
 
 names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=0, max_size=6)
@@ -62,11 +61,11 @@ def shard_files(draw) -> bytes:
     """One safetensors file's bytes: half are drawn well-formed (any names,
     dtypes, shapes, string metadata), half broken in one of many ways."""
     good = draw(st.booleans())
-    dtypes = st.sampled_from(list(DTYPE_BYTES))
+    codes = st.sampled_from(list(DTYPE_BYTES))
     if not good:
-        dtypes = dtypes | st.sampled_from(UNKNOWN_DTYPES)
+        codes = codes | st.sampled_from(UNKNOWN_DTYPES)
     shapes = st.lists(st.integers(0, 4), max_size=3) if good else dims
-    tensors = draw(st.lists(st.tuples(names, dtypes, shapes), max_size=4, unique_by=lambda t: t[0]))
+    tensors = draw(st.lists(st.tuples(names, codes, shapes), max_size=4, unique_by=lambda t: t[0]))
     header: dict[str, object] = {}
     data = b""
     for name, dtype, shape in tensors:
@@ -268,3 +267,13 @@ def test_packed_f4_shape_is_the_librarys():
 
     info = TensorInfo("w", "F4", (3, 4), 0, 6)
     assert torch_shape(info, "s") == (3, 2)
+
+
+def test_the_drawn_dtypes_are_the_librarys_table():
+    """The files above draw every code the installed safetensors parses (no
+    hand list to fall behind a release), sized as torch sizes the shared ones."""
+    assert set(DTYPE_BYTES) == set(dtypes.safetensors_codes())
+    assert {"F8_E8M0", "F8_E4M3FNUZ", "F4", "F6_E2M3"} <= set(DTYPE_BYTES)
+    for code, d in dtypes.shared().items():
+        assert DTYPE_BYTES[code] * d.per_element == d.torch.itemsize, code
+    assert not set(UNKNOWN_DTYPES) & set(DTYPE_BYTES)
