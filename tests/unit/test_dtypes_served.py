@@ -39,6 +39,7 @@ from daemon_support import REPO, Daemon, short_dir
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fixtures.dtype_ckpt import assert_served_equal, library_tensors, write_checkpoint
 from fixtures.shardfile import RawTensor, write_shard
 from pgbase import dtypes
 from preload.client import DaemonClient
@@ -51,64 +52,6 @@ pytestmark = [pytest.mark.unit, pytest.mark.xdist_group(name="dtypes_served")]
 SHARED = dict(dtypes.shared())
 # safetensors codes torch has no type for, in the installed versions.
 UNSHARED = [c for c in dtypes.safetensors_codes() if c not in SHARED]
-# Torch shapes (a packed dtype's last dimension counts torch elements).
-SHAPES = {
-    "empty": (0,),
-    "zero_dim": (3, 0),
-    "scalar": (),
-    "one": (1,),
-    "odd": (7,),
-    "odd_2d": (3, 5),
-}
-
-
-def shapes_for(d: dtypes.DType) -> dict[str, tuple[int, ...]]:
-    # A scalar holds one value; a packed torch element holds per_element of
-    # them, so safetensors refuses to write a packed scalar ("slicing for
-    # subbytes dtypes"): no such file exists to serve.
-    return {k: s for k, s in SHAPES.items() if s or d.per_element == 1}
-
-
-def sample(d: dtypes.DType, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """A tensor of every bit pattern mix (bool: 0 or 1, as torch stores it)."""
-    n = torch.Size(shape).numel() * d.itemsize
-    g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-    if d.torch == torch.bool:
-        raw &= 1
-    return raw.view(d.torch).reshape(shape)
-
-
-def write_checkpoint(root: Path, codes: list[str]) -> Path:
-    root.mkdir(parents=True)
-    tensors = {}
-    for i, code in enumerate(codes):
-        d = SHARED[code]
-        for name, shape in shapes_for(d).items():
-            tensors[f"{code.lower()}.{name}"] = sample(d, shape, seed=1000 * i + len(tensors))
-    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
-    (root / "config.json").write_text(json.dumps({"architectures": ["DtypeProbe"]}))
-    return root
-
-
-def library_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
-
-
-def raw_bytes(t: torch.Tensor) -> bytes:
-    # Views only (reshape of a contiguous tensor copies nothing): some dtypes
-    # (float4_e2m1fn_x2) have no copy kernels.
-    assert t.is_contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def assert_served_equal(served: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert sorted(served) == sorted(want)
-    for name, t in want.items():
-        got = served[name]
-        assert (got.dtype, tuple(got.shape)) == (t.dtype, tuple(t.shape)), name
-        assert raw_bytes(got) == raw_bytes(t), f"{name}: bytes differ from safe_open's"
 
 
 def test_the_table_is_what_both_libraries_share():
