@@ -39,9 +39,10 @@ from daemon_support import REPO, Daemon, short_dir
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fixtures.dtype_ckpt import assert_served_equal, library_tensors, write_checkpoint
+from fixtures.dtype_ckpt import assert_served_equal, library_tensors, sample, write_checkpoint
 from fixtures.shardfile import RawTensor, write_shard
 from pgbase import dtypes
+from preload.checksum import tensor_checksum
 from preload.client import DaemonClient
 from preload.daemon.raw import fill_raw, raw_key
 from preload.promote import promote
@@ -106,6 +107,19 @@ def test_raw_fill_and_shm_attach_equal_safe_open(tmp_path, code):
             att.close()
     finally:
         filled.arena.close()
+
+
+@pytest.mark.parametrize("code", sorted(SHARED))
+def test_the_checksum_reads_every_shared_dtype_as_its_bytes(code):
+    """The resident checksum sees a tensor of any shared dtype as its bytes
+    (the same sum as its ``uint8`` view), and one flipped bit changes it."""
+    d = SHARED[code]
+    t = sample(d, (7,), seed=3)
+    u8 = t.view(torch.uint8)
+    assert tensor_checksum(t) == tensor_checksum(u8.clone())
+    flipped = u8.clone()
+    flipped[u8.numel() // 2] ^= 1
+    assert tensor_checksum(flipped.view(d.torch)) != tensor_checksum(t)
 
 
 @pytest.fixture(scope="module")
