@@ -60,12 +60,20 @@ def expected_key(cfg: RankConfig, digest: str, transport: Transport) -> WeightCa
     if cfg.stage == "raw":
         from preload.daemon.raw import raw_key
 
-        return raw_key(cfg.checkpoint, digest, transport.name, int(cfg.engine.get("tp_size", 1)), cfg.tp_rank)
+        return raw_key(
+            cfg.checkpoint, digest, transport.name, int(cfg.engine.get("tp_size", 1)), cfg.tp_rank
+        )
     return None
 
 
-def try_adopt(cfg: RankConfig, digest: str, store: FdStore, transport: Transport,
-              key: WeightCacheKey, on_event: Callable[[str], None] = lambda _kind: None) -> Outcome:
+def try_adopt(
+    cfg: RankConfig,
+    digest: str,
+    store: FdStore,
+    transport: Transport,
+    key: WeightCacheKey,
+    on_event: Callable[[str], None] = lambda _kind: None,
+) -> Outcome:
     """Take over the stored arena for ``(digest, cfg.global_rank)`` if it is
     this rank's (stage, transport, every key field) and proves. ``on_event``
     is told ``adopted`` or ``proof_failed``. Never raises for a stored arena
@@ -78,8 +86,10 @@ def try_adopt(cfg: RankConfig, digest: str, store: FdStore, transport: Transport
     record, fds = stored.record, stored.fds
     why = ""
     if record.stage != cfg.stage or record.transport != transport.name:
-        why = (f"the stored arena is stage {record.stage}/transport {record.transport}; this rank serves "
-               f"{cfg.stage}/{transport.name}")
+        why = (
+            f"the stored arena is stage {record.stage}/transport {record.transport}; this rank serves "
+            f"{cfg.stage}/{transport.name}"
+        )
     else:
         try:
             theirs = WeightCacheKey.from_json(record.key)
@@ -104,34 +114,75 @@ def try_adopt(cfg: RankConfig, digest: str, store: FdStore, transport: Transport
     try:
         arena = transport.adopt(record.descriptor, fds, layout)  # owns fds from here
     except AdoptError as exc:
-        return _failed(cfg, digest, store, record, f"the transport cannot adopt it: {exc}", on_event)
+        return _failed(
+            cfg, digest, store, record, f"the transport cannot adopt it: {exc}", on_event
+        )
     try:
         proof = transport.prove(arena, record.checksums)
     except ArenaProofError as exc:
         arena.close()
         return _failed(cfg, digest, store, record, f"its proof failed: {exc}", on_event)
     seconds = time.perf_counter() - start
-    filled = Filled(arena=arena, layout=layout, key=key, digest=digest, stage=record.stage,
-                    aliases=dict(record.aliases), shard_digests=dict(record.shard_digests),
-                    checksums=dict(record.checksums), load_seconds=0.0, bytes_read=0,
-                    origin="adopted", generation=record.generation + 1, adopt_seconds=seconds)
+    filled = Filled(
+        arena=arena,
+        layout=layout,
+        key=key,
+        digest=digest,
+        stage=record.stage,
+        aliases=dict(record.aliases),
+        shard_digests=dict(record.shard_digests),
+        checksums=dict(record.checksums),
+        load_seconds=0.0,
+        bytes_read=0,
+        origin="adopted",
+        generation=record.generation + 1,
+        adopt_seconds=seconds,
+    )
     on_event("adopted")
-    log.info("rank %d: adopted the stored arena of daemon %s (pid %d, generation %d), proven by %s over %d "
-             "tensors in %.4f s; no checkpoint byte read", rank, record.daemon_id, record.pid,
-             filled.generation, proof.method, proof.tensors, seconds)
+    log.info(
+        "rank %d: adopted the stored arena of daemon %s (pid %d, generation %d), proven by %s over %d "
+        "tensors in %.4f s; no checkpoint byte read",
+        rank,
+        record.daemon_id,
+        record.pid,
+        filled.generation,
+        proof.method,
+        proof.tensors,
+        seconds,
+    )
     return Outcome(filled=filled, record=record)
 
 
-def _failed(cfg: RankConfig, digest: str, store: FdStore, record: ArenaRecord, why: str,
-            on_event: Callable[[str], None]) -> Outcome:
+def _failed(
+    cfg: RankConfig,
+    digest: str,
+    store: FdStore,
+    record: ArenaRecord,
+    why: str,
+    on_event: Callable[[str], None],
+) -> Outcome:
     """A stored arena that cannot serve: a loud event naming the rank, the
     arena dropped from the store, the rank loads from disk."""
     rank = cfg.global_rank
-    reason = (f"rank {rank}: the stored arena (daemon {record.daemon_id}, pid {record.pid}) is not adopted, "
-              f"{why}; dropped it, loading from disk")
+    reason = (
+        f"rank {rank}: the stored arena (daemon {record.daemon_id}, pid {record.pid}) is not adopted, "
+        f"{why}; dropped it, loading from disk"
+    )
     on_event("proof_failed")
-    emit(LoadEvent("error", reason, digest=digest, daemon_digest=record.digest, mode="adopt", rank=rank,
-                   tensors=len(record.entries), bytes=record.total_bytes, source="disk"), loud=True)
+    emit(
+        LoadEvent(
+            "error",
+            reason,
+            digest=digest,
+            daemon_digest=record.digest,
+            mode="adopt",
+            rank=rank,
+            tensors=len(record.entries),
+            bytes=record.total_bytes,
+            source="disk",
+        ),
+        loud=True,
+    )
     try:
         store.drop(digest, rank)
     except FdStoreError as exc:
@@ -139,8 +190,14 @@ def _failed(cfg: RankConfig, digest: str, store: FdStore, record: ArenaRecord, w
     return Outcome(record=record, why=why, proof_failed=True)
 
 
-def deposit(store: FdStore, filled: Filled, cfg: RankConfig, daemon_id: str, checkpoint: str,
-            previous: ArenaRecord | None = None) -> ArenaRecord | None:
+def deposit(
+    store: FdStore,
+    filled: Filled,
+    cfg: RankConfig,
+    daemon_id: str,
+    checkpoint: str,
+    previous: ArenaRecord | None = None,
+) -> ArenaRecord | None:
     """Put ``filled``'s sealed arena in ``store`` so a successor can adopt
     it; returns the record, or None (logged) when the arena cannot outlive
     this daemon or the store refuses. ``previous``: the record it was
@@ -154,19 +211,35 @@ def deposit(store: FdStore, filled: Filled, cfg: RankConfig, daemon_id: str, che
         return None
     try:
         record = ArenaRecord(
-            digest=filled.digest, global_rank=cfg.global_rank, key=filled.key.to_json(), stage=filled.stage,
-            transport=cfg.transport, descriptor=descriptor, nfds=len(fds), entries=filled.layout.to_json(),
-            total_bytes=filled.layout.total_bytes, daemon_id=daemon_id, pid=os.getpid(),
-            deposited_at=time.time(), aliases=dict(filled.aliases), shard_digests=dict(filled.shard_digests),
-            checksums=dict(filled.checksums), checksum_scheme=SCHEME if filled.checksums else "",
-            checkpoint=checkpoint, origin=filled.origin, generation=filled.generation,
+            digest=filled.digest,
+            global_rank=cfg.global_rank,
+            key=filled.key.to_json(),
+            stage=filled.stage,
+            transport=cfg.transport,
+            descriptor=descriptor,
+            nfds=len(fds),
+            entries=filled.layout.to_json(),
+            total_bytes=filled.layout.total_bytes,
+            daemon_id=daemon_id,
+            pid=os.getpid(),
+            deposited_at=time.time(),
+            aliases=dict(filled.aliases),
+            shard_digests=dict(filled.shard_digests),
+            checksums=dict(filled.checksums),
+            checksum_scheme=SCHEME if filled.checksums else "",
+            checkpoint=checkpoint,
+            origin=filled.origin,
+            generation=filled.generation,
             load_seconds=previous.load_seconds if previous is not None else filled.load_seconds,
             bytes_read=previous.bytes_read if previous is not None else filled.bytes_read,
         )
         store.deposit(record, fds)
     except (FdStoreError, PreloadGateError, ValueError) as exc:
-        log.warning("rank %d: the fd store did not take the arena (a crash will mean a reload): %s",
-                    cfg.global_rank, exc)
+        log.warning(
+            "rank %d: the fd store did not take the arena (a crash will mean a reload): %s",
+            cfg.global_rank,
+            exc,
+        )
         return None
     finally:
         for fd in fds:

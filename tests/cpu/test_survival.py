@@ -14,6 +14,10 @@ bytes equal to ``safe_open``'s. Each rule has its control:
 - a clean stop (SIGTERM) leaves the store empty.
 
 No vLLM engine: the raw stage and the engine-side client are enough here.
+Only the raw stage adopts (its key is known before the fill; the loaded and
+processed stages' keys come from vLLM's config built in the rank's world,
+see preload.daemon.adopt.expected_key), and vLLM engines attach only those
+stages, so an engine attaching to an adopted daemon has no test yet.
 """
 
 from __future__ import annotations
@@ -53,9 +57,13 @@ class Setup:
     digest: str
 
     def daemon(self, *extra: str) -> Daemon:
-        return Daemon(self.checkpoint, self.root, self.cache,
-                      args=("--stage", "raw", "--expect-digest", self.digest, *extra),
-                      env={"PRELOAD_GATE_KEEPER_IDLE_S": "1"})
+        return Daemon(
+            self.checkpoint,
+            self.root,
+            self.cache,
+            args=("--stage", "raw", "--expect-digest", self.digest, *extra),
+            env={"PRELOAD_GATE_KEEPER_IDLE_S": "1"},
+        )
 
 
 @pytest.fixture
@@ -113,7 +121,9 @@ def test_a_successor_adopts_after_kill_9_and_a_clean_stop_empties_the_store(setu
     assert served.tensors == want
     first.kill_hard()  # every process of it: the launcher and its rank
     (stored,) = _stored(setup)
-    assert stored["held"] is False and stored["origin"] == "disk" and stored["pid"] == first.rank_pid
+    assert (
+        stored["held"] is False and stored["origin"] == "disk" and stored["pid"] == first.rank_pid
+    )
 
     second = setup.daemon().start()
     try:
@@ -124,7 +134,9 @@ def test_a_successor_adopts_after_kill_9_and_a_clean_stop_empties_the_store(setu
         assert served.stats["adopted"] == 1 and served.stats["loaded_from_disk"] == 0
         assert served.tensors == want
         (stored,) = _stored(setup)
-        assert stored["held"] is True and stored["origin"] == "adopted" and stored["generation"] == 1
+        assert (
+            stored["held"] is True and stored["origin"] == "adopted" and stored["generation"] == 1
+        )
     finally:
         assert second.stop() == 0
     # A clean stop takes the arena out of the store.
@@ -144,16 +156,22 @@ def _forge(s: Setup, *, seal_write: bool, change_stage: bool = False) -> KeeperS
     fd = os.memfd_create("forged", os.MFD_ALLOW_SEALING)
     os.write(fd, os.pread(src, size, 0))
     os.close(src)
-    fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | (0 if not seal_write else 0x8) | F_SEAL_SEAL)
+    fcntl.fcntl(
+        fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | (0 if not seal_write else 0x8) | F_SEAL_SEAL
+    )
     record = got.record
     if change_stage:
-        record = msgspec.structs.replace(record, stage="loaded", key={**record.key, "export_stage": "loaded"})
+        record = msgspec.structs.replace(
+            record, stage="loaded", key={**record.key, "export_stage": "loaded"}
+        )
     store.deposit(record, [fd])
     os.close(fd)
     return store
 
 
-def test_an_unsealed_forged_memfd_fails_its_proof_and_the_successor_reads_disk(setup: Setup) -> None:
+def test_an_unsealed_forged_memfd_fails_its_proof_and_the_successor_reads_disk(
+    setup: Setup,
+) -> None:
     want = checkpoint_tensor_digests(setup.checkpoint)
     setup.daemon().start().kill_hard()
     forger = _forge(setup, seal_write=False)
@@ -166,7 +184,9 @@ def test_an_unsealed_forged_memfd_fails_its_proof_and_the_successor_reads_disk(s
     assert served.rank["origin"] == "disk" and served.rank["bytes_read"] > 0, served.rank
     assert served.stats["proof_failed"] == 1 and served.stats["adopted"] == 0
     assert served.tensors == want
-    events = [ln for ln in second.output.splitlines() if "preload-gate load:" in ln and '"adopt"' in ln]
+    events = [
+        ln for ln in second.output.splitlines() if "preload-gate load:" in ln and '"adopt"' in ln
+    ]
     assert len(events) == 1, second.output[-3000:]
     assert "rank 0" in events[0] and "lacks seals ['write']" in events[0], events[0]
 
@@ -207,6 +227,9 @@ def test_no_fd_store_keeps_nothing(setup: Setup) -> None:
     assert not keeper.socket_file(setup.root).exists() and _stored(setup) == []
     second = setup.daemon().start()
     try:
-        assert second.ready["ranks"][0]["origin"] == "disk" and second.ready["ranks"][0]["bytes_read"] > 0
+        assert (
+            second.ready["ranks"][0]["origin"] == "disk"
+            and second.ready["ranks"][0]["bytes_read"] > 0
+        )
     finally:
         second.stop()
