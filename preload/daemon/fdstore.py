@@ -38,9 +38,11 @@ from typing import Any
 
 from pgbase.errors import InsecureSocketError, PreloadGateError, ProtocolError
 from preload import protocol
-from preload.daemon.arena_record import ArenaRecord
+from preload.daemon.arena_record import MAX_ARENAS, ArenaRecord
 
-MAX_ARENAS = 64  # arenas one store holds; a deposit past it is refused (FdStoreError)
+__all__ = ["MAX_ARENAS", "FdStore", "FdStoreError", "KeeperStore", "StoredArena", "open_store"]
+
+# MAX_ARENAS: arenas one store holds; a deposit past it is refused (FdStoreError).
 
 
 class FdStoreError(PreloadGateError):

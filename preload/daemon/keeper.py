@@ -58,8 +58,7 @@ import msgspec
 
 from pgbase.errors import InsecureSocketError, ProtocolError
 from preload import protocol
-from preload.daemon.arena_record import MAX_RECORD_BYTES, ArenaRecord
-from preload.daemon.fdstore import MAX_ARENAS
+from preload.daemon.arena_record import MAX_ARENAS, MAX_RECORD_BYTES, ArenaRecord
 
 log = logging.getLogger("preload.keeper")
 
