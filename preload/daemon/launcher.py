@@ -234,7 +234,8 @@ def run(opts: PreloadOptions, out: Any = None) -> int:
     # First: a parent that dies while we check or load is seen too.
     parent = ParentWatch.from_env() if opts.exit_with_parent else None
     out = out or sys.stdout
-    preflight(opts)
+    # --take-over: a daemon holding these ranks is the one asked to hand over (rank.py).
+    preflight(opts, refuse_held=not opts.take_over)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
 

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from pgbase.oscause import reason
 from preload.daemon.adopt import Outcome, deposit, expected_key, try_adopt
 from preload.daemon.fdstore import FdStore, FdStoreError, open_store
 from preload.daemon.home import remove_if_empty
-from preload.daemon.lock import RankLock
+from preload.daemon.lock import RankBusyError, RankLock
 from preload.daemon.parent import INTERVAL_S as PARENT_POLL_S
 from preload.daemon.parent import ParentWatch
 from preload.daemon.server import RankServer
@@ -104,8 +105,14 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
     def count(kind: str) -> None:
         counts[kind] = counts.get(kind, 0) + 1
 
+    predecessor: dict[str, Any] | None = None
+    if cfg.take_over:
+        if expected is None:
+            raise PreloadGateError("--take-over needs the digest before the fill (a promotion manifest or "
+                                   "--expect-digest): promote the checkpoint, or pass --expect-digest")
+        predecessor = _take_over(expected, cfg)
     if expected is not None:
-        sdir, lock = _lock_rank(expected, cfg)
+        sdir, lock = _lock_rank(expected, cfg) if predecessor is None else _lock_after(expected, cfg)
     try:
         baseline = rss_bytes()
         store = _open_store(cfg)
@@ -151,6 +158,7 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
                                               adopted.record) is not None
     if store is not None and deposited:
         server.on_release = lambda: _evict(store, filled.digest, cfg.global_rank, server)
+        server.on_hand_over = stop.set  # the loop below ends; handed_over keeps the arena stored
     clean = False
     try:
         if announce is not None:
@@ -166,6 +174,8 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
                 "origin": filled.origin, "generation": filled.generation,
                 "adopt_seconds": round(filled.adopt_seconds, 4),
                 "fd_store": store.name if store is not None and deposited else None,
+                "took_over_from": None if predecessor is None else {
+                    k: predecessor.get(k) for k in ("pid", "daemon_id")},
             })
         while not stop.wait(PARENT_POLL_S):
             # Orphaned (the launcher was killed -9): stop (preload.daemon.parent).
@@ -173,7 +183,9 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
                 log.error("rank %d: the launcher (pid %d) is gone; stopping", cfg.global_rank, parent.parent)
                 break
         else:
-            clean = True  # told to stop (SIGTERM: the launcher's stop): stopping for good
+            # Told to stop (SIGTERM: the launcher's stop): stopping for good;
+            # handed over: the successor adopts the stored arena.
+            clean = not server.handed_over
     finally:
         if store is not None:
             # A clean stop takes the arena out of the store; any other end
@@ -182,6 +194,54 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
                 _evict(store, filled.digest, cfg.global_rank, server)
             store.close()
         server.stop()
+
+
+TAKE_OVER_S = 60.0
+
+
+def _take_over(digest: str, cfg: RankConfig) -> dict[str, Any] | None:
+    """Ask the daemon serving ``digest`` for this rank to hand its arena over
+    (``hand_over``); its answer (pid, daemon_id), or None when none answers
+    (then this rank starts as without ``--take-over``). Raises
+    PreloadGateError with the old daemon's reason when it refuses."""
+    from preload.client import DaemonClient
+    from preload.sockets import socket_path
+
+    sdir = socket_dir(digest, cfg.socket_root)
+    if not socket_path(sdir, cfg.global_rank).exists():
+        log.info("rank %d: --take-over: no daemon serves %s here; starting as a first daemon",
+                 cfg.global_rank, digest[:16])
+        return None
+    try:
+        client = DaemonClient.connect(sdir, cfg.global_rank, client="preload-gate take-over")
+    except PreloadGateError as exc:
+        log.info("rank %d: --take-over: the daemon there does not answer (%s); starting as a first daemon",
+                 cfg.global_rank, exc)
+        return None
+    try:
+        reply = client.hand_over("preload-gate take-over")
+    except PreloadGateError as exc:
+        raise PreloadGateError(f"rank {cfg.global_rank}: --take-over refused: {exc}") from exc
+    finally:
+        client.close()
+    log.warning("rank %d: --take-over: daemon %s (pid %s) hands its arena over", cfg.global_rank,
+                reply.get("daemon_id"), reply.get("pid"))
+    return reply
+
+
+def _lock_after(digest: str, cfg: RankConfig) -> tuple[Path, RankLock]:
+    """The rank lock once the handing-over daemon let it go (it stops right
+    after its answer); PreloadGateError after TAKE_OVER_S."""
+    end = time.monotonic() + TAKE_OVER_S
+    while True:
+        try:
+            return _lock_rank(digest, cfg)
+        except RankBusyError as exc:
+            if time.monotonic() > end:
+                raise PreloadGateError(f"rank {cfg.global_rank}: --take-over: the old daemon did not stop "
+                                       f"within {TAKE_OVER_S:.0f} s ({exc}); stop it and start this one "
+                                       "again") from exc
+            time.sleep(0.05)
 
 
 def _open_store(cfg: RankConfig) -> FdStore | None:

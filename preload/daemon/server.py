@@ -75,6 +75,11 @@ class RankServer:
         # Called once the arena is released on request (copy mode): the rank
         # drops it from the fd store too, or the store would keep it resident.
         self.on_release: Any = None
+        # Called once on a successor's hand_over (``preload --take-over``):
+        # the rank stops without taking its arena out of the fd store. None:
+        # nothing stored, so nothing to hand over (refused).
+        self.on_hand_over: Any = None
+        self.handed_over = False
 
     @property
     def lock(self) -> RankLock:
@@ -324,6 +329,8 @@ class RankServer:
         elif cmd == "release":
             self._release()
             self._reply(conn, {"status": "ok", "released": True})
+        elif cmd == "hand_over":
+            self._hand_over(conn, body, session)
         elif cmd == "watch":
             self._watch(conn)
             return False
@@ -408,6 +415,30 @@ class RankServer:
         finally:
             with self._mutex:
                 self.stats.attached -= 1
+
+    def _hand_over(self, conn: socket.socket, body: dict[str, Any], session: Session) -> None:
+        """A successor takes over (issue 26, ``--take-over``): answer it, then
+        let the rank stop without taking its arena out of the fd store.
+        Engines attached keep their mappings (their own descriptors)."""
+        with self._mutex:
+            why = ""
+            if self.released:
+                why = "its arena was released (copy mode)"
+            elif self.handed_over:
+                why = "it is already handing over to another successor"
+            elif self.on_hand_over is None:
+                why = "it keeps no arena in the fd store (--no-fd-store, or the store refused it)"
+            if not why:
+                self.handed_over = True
+        if why:
+            self._reply(conn, protocol.error_reply(f"rank {self.global_rank} cannot hand over: {why}; "
+                                                   "stop it and start the successor without --take-over"))
+            return
+        who = body.get("client") or session.client or "a successor"
+        log.warning("rank %d: handing the arena over to %s (pid %s) through the fd store; stopping without "
+                    "release", self.global_rank, who, session.pid)
+        self._reply(conn, {"status": "ok", **self._identity()})
+        self.on_hand_over()
 
     def _release(self) -> None:
         with self._mutex:

@@ -26,6 +26,9 @@ class DaemonSettings:
     # Deposit each rank's arena in the fd store and re-adopt a stored one
     # (issue 26: preload.daemon.adopt); False: ``--no-fd-store``.
     fd_store: bool = True
+    # ``--take-over``: ask a running daemon for the same digest and rank to
+    # hand its stored arena over, then adopt it (issue 26).
+    take_over: bool = False
 
     def daemon_settings(self, **changes: Any) -> dict[str, Any]:
         """These fields by name, with ``changes`` (a subclass's own fields left out)."""

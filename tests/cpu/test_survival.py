@@ -233,3 +233,50 @@ def test_no_fd_store_keeps_nothing(setup: Setup) -> None:
         )
     finally:
         second.stop()
+
+
+def test_take_over_hands_the_arena_to_a_successor_and_attached_mappings_stay(setup: Setup) -> None:
+    want = checkpoint_tensor_digests(setup.checkpoint)
+    first = setup.daemon().start()
+    att, tensors = attach_raw(first.socket_dir, setup.checkpoint, setup.digest)
+    try:
+        assert tensor_digests(tensors) == want
+        second = setup.daemon("--take-over").start()
+        try:
+            rank = second.ready["ranks"][0]
+            assert rank["origin"] == "adopted" and rank["bytes_read"] == 0, (rank, second.output)
+            assert rank["took_over_from"]["pid"] == first.rank_pid, rank
+            assert rank["generation"] == 1
+            # The old daemon is gone (it exited without release) ...
+            wait_for(lambda: process_gone(first.rank_pid), BOUND_S)
+            assert first.proc is not None and first.proc.wait(BOUND_S) is not None
+            # ... the engine attached to it still maps the same bytes ...
+            assert tensor_digests(tensors) == want
+            # ... and the successor serves them, from the arena the old one stored.
+            assert _Served(second, setup).tensors == want
+            (stored,) = _stored(setup)
+            assert stored["held"] is True and stored["generation"] == 1
+            assert stored["pid"] == second.rank_pid
+        finally:
+            assert second.stop() == 0
+    finally:
+        att.close()  # type: ignore[attr-defined]
+        first.stop()
+    assert _stored(setup) == []
+
+
+def test_take_over_of_a_daemon_without_the_fd_store_is_refused_and_it_keeps_serving(
+    setup: Setup,
+) -> None:
+    """Control of the take-over: a daemon that stored nothing cannot hand
+    over; the successor says so and exits, the first one keeps serving."""
+    first = setup.daemon("--no-fd-store").start()
+    try:
+        second = setup.daemon("--take-over").start(expect_ready=False)
+        assert second.proc is not None and second.proc.returncode not in (0, None)
+        assert "--take-over refused" in second.output, second.output[-3000:]
+        assert "keeps no arena in the fd store" in second.output, second.output[-3000:]
+        assert first.proc is not None and first.proc.poll() is None
+        assert _Served(first, setup).tensors == checkpoint_tensor_digests(setup.checkpoint)
+    finally:
+        assert first.stop() == 0
