@@ -27,6 +27,7 @@ from preload.daemon.lock import RankBusyError, RankLock
 from preload.daemon.parent import INTERVAL_S as PARENT_POLL_S
 from preload.daemon.parent import ParentWatch
 from preload.daemon.server import RankServer
+from preload.daemon.settings import HANDED_OVER_EXIT
 from preload.daemon.stage import Filled, RankConfig, peak_rss_bytes, rss_bytes
 from preload.identity.anchors import header_only_digest
 from preload.identity.manifest import load_manifest
@@ -72,9 +73,10 @@ def _lock_rank(digest: str, cfg: RankConfig) -> tuple[Path, RankLock]:
 
 
 def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
-               parent: ParentWatch | None = None) -> None:
+               parent: ParentWatch | None = None) -> bool:
     """Fill and serve one rank until ``stop`` is set or its launcher (``parent``,
-    by default this process's parent now) is gone."""
+    by default this process's parent now) is gone; True when it ended by
+    handing its arena over to a successor (``hand_over``)."""
     parent = parent or ParentWatch()
     if cfg.cpus:
         os.sched_setaffinity(0, cfg.cpus)
@@ -194,6 +196,7 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
                 _evict(store, filled.digest, cfg.global_rank, server)
             store.close()
         server.stop()
+    return server.handed_over
 
 
 TAKE_OVER_S = 60.0
@@ -298,7 +301,8 @@ def main() -> int:
 
     try:
         cfg = RankConfig.from_json(json.loads(sys.stdin.readline()))
-        serve_rank(cfg, stop, announce, parent)
+        if serve_rank(cfg, stop, announce, parent):
+            return HANDED_OVER_EXIT
     except Exception as exc:
         if not isinstance(exc, PreloadGateError):
             log.exception("rank failed")

@@ -12,6 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+# A rank's exit status after it handed its arena over to a successor
+# (``--take-over``, preload.daemon.rank): its launcher ends without error
+# once every rank did.
+HANDED_OVER_EXIT = 75
+
 
 @dataclass
 class DaemonSettings:

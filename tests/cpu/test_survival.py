@@ -249,7 +249,10 @@ def test_take_over_hands_the_arena_to_a_successor_and_attached_mappings_stay(set
             assert rank["generation"] == 1
             # The old daemon is gone (it exited without release) ...
             wait_for(lambda: process_gone(first.rank_pid), BOUND_S)
-            assert first.proc is not None and first.proc.wait(BOUND_S) is not None
+            # Its launcher ends without error once its rank handed over (rc 0, said so).
+            assert first.proc is not None and first.proc.wait(BOUND_S) == 0
+            first.output = first._stderr()  # type: ignore[attr-defined]
+            assert "handed its arena over to a successor" in first.output, first.output[-3000:]
             # ... the engine attached to it still maps the same bytes ...
             assert tensor_digests(tensors) == want
             # ... and the successor serves them, from the arena the old one stored.
