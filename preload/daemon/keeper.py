@@ -27,7 +27,8 @@ Bounds: at most :data:`preload.daemon.fdstore.MAX_ARENAS` arenas (a deposit
 past it is refused, a replacement is not), a record of at most
 :data:`~preload.daemon.arena_record.MAX_RECORD_BYTES`, at most
 :data:`MAX_CONNECTIONS` connections. The keeper exits once it holds nothing
-and nobody is connected for ``--idle-s`` seconds.
+and nobody is connected for ``--idle-s`` seconds, and at once when its
+socket is removed (the socket root deleted: nobody could fetch again).
 
 Started by the first daemon that opens the store (:func:`start_keeper`):
 in a session of its own (a signal to the daemon's process group does not
@@ -194,6 +195,13 @@ class Keeper:
             if now - last_reap >= self.reap_s:
                 self._reap(now)
                 last_reap = now
+                if not self._socket_is_ours():
+                    # Our socket (or the whole root) was removed: no daemon can
+                    # reach what we hold any more, so holding it only costs memory.
+                    log.warning("keeper: %s is gone or no longer ours; dropping what it held and exiting",
+                                self.path)
+                    self._stop.set()
+                    return
             if self._idle(now) and self._shutdown_if_idle():
                 return
 
@@ -218,6 +226,13 @@ class Keeper:
             os.close(fd)
         log.info("keeper: nothing held for %.1f s; exiting", self.idle_s)
         return True
+
+    def _socket_is_ours(self) -> bool:
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._inode
 
     def _close_listener(self) -> None:
         if self._listener is not None:

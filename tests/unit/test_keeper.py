@@ -334,3 +334,18 @@ def test_an_empty_keeper_exits_a_holding_one_does_not(root: Path) -> None:
     assert wait_for(lambda: process_gone(pid), BOUND_S)
     assert not keeper.socket_file(root).exists()
     assert open_store(root, start=False) is None
+
+
+def test_a_keeper_whose_socket_root_is_removed_exits(root: Path) -> None:
+    store = open_store(root)
+    assert isinstance(store, KeeperStore)
+    pid = store.keeper_pid
+    fd = _memfd(b"r" * 4096)
+    store.deposit(_record(ttl=0), [fd])  # kept until dropped: only the removal can end it
+    os.close(fd)
+    store.close()
+    # Control: holding an orphan, with its socket in place, it stays.
+    time.sleep(2.5)
+    assert not process_gone(pid)
+    shutil.rmtree(root)
+    assert wait_for(lambda: process_gone(pid), BOUND_S)
