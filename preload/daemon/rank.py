@@ -147,6 +147,8 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
             remove_if_empty(lock.path.parent)
         raise
     server = RankServer(filled, sdir, cfg.global_rank, lock, checkpoint=os.path.realpath(cfg.checkpoint))
+    if predecessor is not None:
+        server.took_over_from = {k: predecessor.get(k) for k in ("pid", "daemon_id")}
     for kind, n in counts.items():
         setattr(server.stats, kind, getattr(server.stats, kind) + n)
     try:
@@ -176,8 +178,7 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
                 "origin": filled.origin, "generation": filled.generation,
                 "adopt_seconds": round(filled.adopt_seconds, 4),
                 "fd_store": store.name if store is not None and deposited else None,
-                "took_over_from": None if predecessor is None else {
-                    k: predecessor.get(k) for k in ("pid", "daemon_id")},
+                "took_over_from": server.took_over_from,
             })
         while not stop.wait(PARENT_POLL_S):
             # Orphaned (the launcher was killed -9): stop (preload.daemon.parent).

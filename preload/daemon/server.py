@@ -80,6 +80,8 @@ class RankServer:
         # nothing stored, so nothing to hand over (refused).
         self.on_hand_over: Any = None
         self.handed_over = False
+        # The daemon this one took the arena over from (``--take-over``): its pid and daemon_id.
+        self.took_over_from: dict[str, Any] | None = None
 
     @property
     def lock(self) -> RankLock:
@@ -467,6 +469,10 @@ class RankServer:
                 "tensors": len(self.filled.layout.entries),
                 **self.stats.to_json(), "released": self.released,
                 "load_seconds": self.filled.load_seconds, "uptime_s": time.time() - self._started,
+                # Where the arena came from (issue 26): disk, or adopted from the fd store
+                # (generation: how many daemons served it before), and a take-over's predecessor.
+                "origin": self.filled.origin, "generation": self.filled.generation,
+                "took_over_from": self.took_over_from,
                 # The cache this rank read its manifest from, and the process that started it
                 # (stopping that stops every rank of the daemon).
                 "cache_dir": str(default_cache_dir()), "launcher_pid": os.getppid(),

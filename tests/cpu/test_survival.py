@@ -255,8 +255,12 @@ def test_take_over_hands_the_arena_to_a_successor_and_attached_mappings_stay(set
             assert "handed its arena over to a successor" in first.output, first.output[-3000:]
             # ... the engine attached to it still maps the same bytes ...
             assert tensor_digests(tensors) == want
-            # ... and the successor serves them, from the arena the old one stored.
-            assert _Served(second, setup).tensors == want
+            # ... and the successor serves them, from the arena the old one stored,
+            # its stats (what status reads) naming the predecessor.
+            served = _Served(second, setup)
+            assert served.tensors == want
+            assert served.stats["took_over_from"]["pid"] == first.rank_pid
+            assert served.stats["origin"] == "adopted" and served.stats["generation"] == 1
             (stored,) = _stored(setup)
             assert stored["held"] is True and stored["generation"] == 1
             assert stored["pid"] == second.rank_pid
@@ -280,6 +284,8 @@ def test_take_over_of_a_daemon_without_the_fd_store_is_refused_and_it_keeps_serv
         assert "--take-over refused" in second.output, second.output[-3000:]
         assert "keeps no arena in the fd store" in second.output, second.output[-3000:]
         assert first.proc is not None and first.proc.poll() is None
-        assert _Served(first, setup).tensors == checkpoint_tensor_digests(setup.checkpoint)
+        served = _Served(first, setup)
+        assert served.tensors == checkpoint_tensor_digests(setup.checkpoint)
+        assert served.stats["took_over_from"] is None and served.stats["origin"] == "disk"
     finally:
         assert first.stop() == 0
