@@ -182,6 +182,13 @@ class DaemonClient:
     def release(self) -> None:
         self.request({"cmd": "release"})
 
+    def hand_over(self, client: str = "preload-gate") -> dict[str, Any]:
+        """Ask the daemon to hand its arena over to a successor through the
+        fd store and exit (``preload --take-over``); its reply carries its
+        ``pid`` and ``daemon_id``. ProtocolError with the daemon's reason
+        when it cannot hand over."""
+        return self.request({"cmd": "hand_over", "client": client})
+
     def close(self) -> None:
         self.sock.close()
 

@@ -80,6 +80,16 @@ class Release(_Request, tag="release"): ...
 class Stats(_Request, tag="stats"): ...
 
 
+class HandOver(_Request, tag="hand_over"):
+    """A successor (``preload --take-over``, same digest and rank) asks this
+    daemon to hand its arena over through the fd store: the daemon answers
+    ``ok`` (its identity: pid, daemon_id), stops accepting and exits without
+    taking its arena out of the store (issue 26). ``client`` names the
+    successor in the daemon's log."""
+
+    client: str | msgspec.UnsetType = msgspec.UNSET
+
+
 # Why an engine's attach failed after a get_state answered ok: it could not
 # build its model over the tensors, their resident checksums differ, or the
 # daemon serves another digest. "closed" is the daemon's own kind: the
@@ -107,7 +117,7 @@ class Attached(_Request, tag="attached"):
 
 
 REQUESTS: dict[str, type[_Request]] = {
-    str(c.__struct_config__.tag): c for c in (Hello, GetState, GetMemory, Watch, Release, Stats, Attached)
+    str(c.__struct_config__.tag): c for c in (Hello, GetState, GetMemory, Watch, Release, Stats, Attached, HandOver)
 }
 # Requests the daemon never answers.
 NOTIFICATIONS = frozenset({"attached"})

@@ -22,6 +22,7 @@ import msgspec
 
 MAX_FDS_PER_RECORD = 16  # preload.protocol.MAX_FDS: one frame carries them all
 MAX_RECORD_BYTES = 16 << 20
+MAX_ARENAS = 64  # arenas one fd store holds (preload.daemon.fdstore.MAX_ARENAS; defined here for the keeper)
 
 _Hex64 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 _Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]

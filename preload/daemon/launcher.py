@@ -192,6 +192,15 @@ class Launcher:
     def alive(self) -> bool:
         return all(proc.poll() is None for _, proc in self.procs)
 
+    def handed_over(self) -> tuple[bool, bool]:
+        """(every exited rank handed its arena over to a successor, every rank
+        exited): ranks that hand over (``--take-over``) exit on their own."""
+        from preload.daemon.settings import HANDED_OVER_EXIT
+
+        codes = [proc.poll() for _, proc in self.procs]
+        gone = [c for c in codes if c is not None]
+        return all(c == HANDED_OVER_EXIT for c in gone), len(gone) == len(codes)
+
     def stop(self, timeout_s: float = 15.0) -> None:
         for _, proc in self.procs:
             if proc.poll() is None:
@@ -234,7 +243,8 @@ def run(opts: PreloadOptions, out: Any = None) -> int:
     # First: a parent that dies while we check or load is seen too.
     parent = ParentWatch.from_env() if opts.exit_with_parent else None
     out = out or sys.stdout
-    preflight(opts)
+    # --take-over: a daemon holding these ranks is the one asked to hand over (rank.py).
+    preflight(opts, refuse_held=not opts.take_over)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
 
@@ -261,8 +271,14 @@ def run(opts: PreloadOptions, out: Any = None) -> int:
         out.flush()
         while not stop.wait(POLL_S):
             if not launcher.alive():
-                log.error("a rank process died; stopping the others")
-                return 1
+                handed, every = launcher.handed_over()
+                if handed and every:
+                    log.warning("every rank handed its arena over to a successor (--take-over); exiting")
+                    return 0
+                if not handed:
+                    log.error("a rank process died; stopping the others")
+                    return 1
+                # Some ranks handed over: their peers' successors ask them next.
             reason = interrupted()
             if reason:  # the parent gone (a signal also ends the wait)
                 log.error("stopping: %s", reason)

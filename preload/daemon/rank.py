@@ -14,16 +14,20 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from pgbase.errors import PreloadGateError
 from pgbase.oscause import reason
+from preload.daemon.adopt import Outcome, deposit, expected_key, try_adopt
+from preload.daemon.fdstore import FdStore, FdStoreError, open_store
 from preload.daemon.home import remove_if_empty
-from preload.daemon.lock import RankLock
+from preload.daemon.lock import RankBusyError, RankLock
 from preload.daemon.parent import INTERVAL_S as PARENT_POLL_S
 from preload.daemon.parent import ParentWatch
 from preload.daemon.server import RankServer
+from preload.daemon.settings import HANDED_OVER_EXIT
 from preload.daemon.stage import Filled, RankConfig, peak_rss_bytes, rss_bytes
 from preload.identity.anchors import header_only_digest
 from preload.identity.manifest import load_manifest
@@ -69,9 +73,10 @@ def _lock_rank(digest: str, cfg: RankConfig) -> tuple[Path, RankLock]:
 
 
 def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
-               parent: ParentWatch | None = None) -> None:
+               parent: ParentWatch | None = None) -> bool:
     """Fill and serve one rank until ``stop`` is set or its launcher (``parent``,
-    by default this process's parent now) is gone."""
+    by default this process's parent now) is gone; True when it ended by
+    handing its arena over to a successor (``hand_over``)."""
     parent = parent or ParentWatch()
     if cfg.cpus:
         os.sched_setaffinity(0, cfg.cpus)
@@ -95,11 +100,33 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
             expected[:16],
         )
     lock = None
+    store: FdStore | None = None
+    adopted: Outcome = Outcome()
+    counts: dict[str, int] = {}
+
+    def count(kind: str) -> None:
+        counts[kind] = counts.get(kind, 0) + 1
+
+    predecessor: dict[str, Any] | None = None
+    if cfg.take_over:
+        if expected is None:
+            raise PreloadGateError("--take-over needs the digest before the fill (a promotion manifest or "
+                                   "--expect-digest): promote the checkpoint, or pass --expect-digest")
+        predecessor = _take_over(expected, cfg)
     if expected is not None:
-        sdir, lock = _lock_rank(expected, cfg)
+        sdir, lock = _lock_rank(expected, cfg) if predecessor is None else _lock_after(expected, cfg)
     try:
         baseline = rss_bytes()
-        filled = _fill(cfg, None if cfg.unsafe_identity else expected)
+        store = _open_store(cfg)
+        # Re-adoption (issue 26): the digest is known before the fill, and the
+        # byte proof is ours (never under the unsafe header-only control).
+        if store is not None and expected is not None and cfg.unsafe_identity is None:
+            adopted = _adopt(cfg, expected, store, count)
+        if adopted.filled is not None:
+            filled = adopted.filled
+        else:
+            filled = _fill(cfg, None if cfg.unsafe_identity else expected)
+            count("loaded_from_disk")
         # A stage that imports heavy libraries measures its own baseline after them.
         filled.baseline_rss_bytes = filled.baseline_rss_bytes or baseline
         filled.peak_rss_bytes = peak_rss_bytes()
@@ -113,12 +140,30 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
             log.warning("no manifest or --expect-digest: serving the digest of the bytes read, %s", filled.digest)
             sdir, lock = _lock_rank(filled.digest, cfg)
     except BaseException:
+        if store is not None:
+            store.close()
         if lock is not None:
             lock.release()
             remove_if_empty(lock.path.parent)
         raise
     server = RankServer(filled, sdir, cfg.global_rank, lock, checkpoint=os.path.realpath(cfg.checkpoint))
-    server.start()
+    if predecessor is not None:
+        server.took_over_from = {k: predecessor.get(k) for k in ("pid", "daemon_id")}
+    for kind, n in counts.items():
+        setattr(server.stats, kind, getattr(server.stats, kind) + n)
+    try:
+        server.start()
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
+    # Deposited before the ready line: a daemon killed right after it leaves its arena stored.
+    deposited = store is not None and deposit(store, filled, cfg, server.daemon_id, server.checkpoint,
+                                              adopted.record) is not None
+    if store is not None and deposited:
+        server.on_release = lambda: _evict(store, filled.digest, cfg.global_rank, server)
+        server.on_hand_over = stop.set  # the loop below ends; handed_over keeps the arena stored
+    clean = False
     try:
         if announce is not None:
             announce({
@@ -130,14 +175,118 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
                 "load_seconds": round(filled.load_seconds, 4), "bytes_read": filled.bytes_read,
                 "peak_rss_bytes": filled.peak_rss_bytes, "baseline_rss_bytes": filled.baseline_rss_bytes,
                 "daemon_id": server.daemon_id, "gpu_uuid": filled.arena.gpu_uuid,
+                "origin": filled.origin, "generation": filled.generation,
+                "adopt_seconds": round(filled.adopt_seconds, 4),
+                "fd_store": store.name if store is not None and deposited else None,
+                "took_over_from": server.took_over_from,
             })
         while not stop.wait(PARENT_POLL_S):
             # Orphaned (the launcher was killed -9): stop (preload.daemon.parent).
             if parent.gone():
                 log.error("rank %d: the launcher (pid %d) is gone; stopping", cfg.global_rank, parent.parent)
                 break
+        else:
+            # Told to stop (SIGTERM: the launcher's stop): stopping for good;
+            # handed over: the successor adopts the stored arena.
+            clean = not server.handed_over
     finally:
+        if store is not None:
+            # A clean stop takes the arena out of the store; any other end
+            # (the launcher gone, an error) leaves it there for a successor.
+            if clean and deposited and not server.released:
+                _evict(store, filled.digest, cfg.global_rank, server)
+            store.close()
         server.stop()
+    return server.handed_over
+
+
+TAKE_OVER_S = 60.0
+
+
+def _take_over(digest: str, cfg: RankConfig) -> dict[str, Any] | None:
+    """Ask the daemon serving ``digest`` for this rank to hand its arena over
+    (``hand_over``); its answer (pid, daemon_id), or None when none answers
+    (then this rank starts as without ``--take-over``). Raises
+    PreloadGateError with the old daemon's reason when it refuses."""
+    from preload.client import DaemonClient
+    from preload.sockets import socket_path
+
+    sdir = socket_dir(digest, cfg.socket_root)
+    if not socket_path(sdir, cfg.global_rank).exists():
+        log.info("rank %d: --take-over: no daemon serves %s here; starting as a first daemon",
+                 cfg.global_rank, digest[:16])
+        return None
+    try:
+        client = DaemonClient.connect(sdir, cfg.global_rank, client="preload-gate take-over")
+    except PreloadGateError as exc:
+        log.info("rank %d: --take-over: the daemon there does not answer (%s); starting as a first daemon",
+                 cfg.global_rank, exc)
+        return None
+    try:
+        reply = client.hand_over("preload-gate take-over")
+    except PreloadGateError as exc:
+        raise PreloadGateError(f"rank {cfg.global_rank}: --take-over refused: {exc}") from exc
+    finally:
+        client.close()
+    log.warning("rank %d: --take-over: daemon %s (pid %s) hands its arena over", cfg.global_rank,
+                reply.get("daemon_id"), reply.get("pid"))
+    return reply
+
+
+def _lock_after(digest: str, cfg: RankConfig) -> tuple[Path, RankLock]:
+    """The rank lock once the handing-over daemon let it go (it stops right
+    after its answer); PreloadGateError after TAKE_OVER_S."""
+    end = time.monotonic() + TAKE_OVER_S
+    while True:
+        try:
+            return _lock_rank(digest, cfg)
+        except RankBusyError as exc:
+            if time.monotonic() > end:
+                raise PreloadGateError(f"rank {cfg.global_rank}: --take-over: the old daemon did not stop "
+                                       f"within {TAKE_OVER_S:.0f} s ({exc}); stop it and start this one "
+                                       "again") from exc
+            time.sleep(0.05)
+
+
+def _open_store(cfg: RankConfig) -> FdStore | None:
+    """The fd store of this rank's socket root (started when absent), None
+    with ``--no-fd-store`` or when it cannot be used (logged: the rank then
+    serves as before, and a crash means a reload)."""
+    if not cfg.fd_store:
+        return None
+    try:
+        return open_store(cfg.socket_root)
+    except FdStoreError as exc:
+        log.warning("rank %d: no fd store (%s); serving without one: a crash of this daemon means a reload",
+                    cfg.global_rank, exc)
+        return None
+
+
+def _adopt(cfg: RankConfig, digest: str, store: FdStore, count: Any) -> Outcome:
+    transport = get_transport(cfg.transport)
+    try:
+        key = expected_key(cfg, digest, transport)
+    except (PreloadGateError, OSError, ValueError) as exc:
+        log.info("rank %d: no key before the fill (%s); not adopting", cfg.global_rank, exc)
+        return Outcome()
+    if key is None:
+        return Outcome()
+    try:
+        return try_adopt(cfg, digest, store, transport, key, count)
+    except FdStoreError as exc:
+        log.warning("rank %d: the fd store failed a fetch (%s); loading from disk", cfg.global_rank, exc)
+        return Outcome()
+
+
+def _evict(store: FdStore, digest: str, global_rank: int, server: RankServer) -> None:
+    """Take this rank's arena out of the store (a clean stop, a release)."""
+    try:
+        store.release(digest, global_rank)
+    except FdStoreError as exc:
+        log.warning("rank %d: could not take the arena out of the fd store: %s", global_rank, exc)
+        return
+    with server._mutex:
+        server.stats.evicted += 1
 
 
 def main() -> int:
@@ -153,7 +302,8 @@ def main() -> int:
 
     try:
         cfg = RankConfig.from_json(json.loads(sys.stdin.readline()))
-        serve_rank(cfg, stop, announce, parent)
+        if serve_rank(cfg, stop, announce, parent):
+            return HANDED_OVER_EXIT
     except Exception as exc:
         if not isinstance(exc, PreloadGateError):
             log.exception("rank failed")

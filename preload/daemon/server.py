@@ -72,6 +72,16 @@ class RankServer:
         self._home: HomeWatch | None = None
         self.max_connections = MAX_CONNECTIONS
         self._fd_warned = -1e9
+        # Called once the arena is released on request (copy mode): the rank
+        # drops it from the fd store too, or the store would keep it resident.
+        self.on_release: Any = None
+        # Called once on a successor's hand_over (``preload --take-over``):
+        # the rank stops without taking its arena out of the fd store. None:
+        # nothing stored, so nothing to hand over (refused).
+        self.on_hand_over: Any = None
+        self.handed_over = False
+        # The daemon this one took the arena over from (``--take-over``): its pid and daemon_id.
+        self.took_over_from: dict[str, Any] | None = None
 
     @property
     def lock(self) -> RankLock:
@@ -321,6 +331,8 @@ class RankServer:
         elif cmd == "release":
             self._release()
             self._reply(conn, {"status": "ok", "released": True})
+        elif cmd == "hand_over":
+            self._hand_over(conn, body, session)
         elif cmd == "watch":
             self._watch(conn)
             return False
@@ -406,6 +418,30 @@ class RankServer:
             with self._mutex:
                 self.stats.attached -= 1
 
+    def _hand_over(self, conn: socket.socket, body: dict[str, Any], session: Session) -> None:
+        """A successor takes over (issue 26, ``--take-over``): answer it, then
+        let the rank stop without taking its arena out of the fd store.
+        Engines attached keep their mappings (their own descriptors)."""
+        with self._mutex:
+            why = ""
+            if self.released:
+                why = "its arena was released (copy mode)"
+            elif self.handed_over:
+                why = "it is already handing over to another successor"
+            elif self.on_hand_over is None:
+                why = "it keeps no arena in the fd store (--no-fd-store, or the store refused it)"
+            if not why:
+                self.handed_over = True
+        if why:
+            self._reply(conn, protocol.error_reply(f"rank {self.global_rank} cannot hand over: {why}; "
+                                                   "stop it and start the successor without --take-over"))
+            return
+        who = body.get("client") or session.client or "a successor"
+        log.warning("rank %d: handing the arena over to %s (pid %s) through the fd store; stopping without "
+                    "release", self.global_rank, who, session.pid)
+        self._reply(conn, {"status": "ok", **self._identity()})
+        self.on_hand_over()
+
     def _release(self) -> None:
         with self._mutex:
             if self.released:
@@ -414,6 +450,8 @@ class RankServer:
             self.stats.releases += 1
         self._close_arena()
         log.info("rank %d: arena released on request (copy mode)", self.global_rank)
+        if self.on_release is not None:
+            self.on_release()
 
     def snapshot(self) -> dict[str, Any]:
         """The ``stats`` answer: identity, what it holds, the counters
@@ -431,6 +469,10 @@ class RankServer:
                 "tensors": len(self.filled.layout.entries),
                 **self.stats.to_json(), "released": self.released,
                 "load_seconds": self.filled.load_seconds, "uptime_s": time.time() - self._started,
+                # Where the arena came from (issue 26): disk, or adopted from the fd store
+                # (generation: how many daemons served it before), and a take-over's predecessor.
+                "origin": self.filled.origin, "generation": self.filled.generation,
+                "took_over_from": self.took_over_from,
                 # The cache this rank read its manifest from, and the process that started it
                 # (stopping that stops every rank of the daemon).
                 "cache_dir": str(default_cache_dir()), "launcher_pid": os.getppid(),

@@ -12,6 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+# A rank's exit status after it handed its arena over to a successor
+# (``--take-over``, preload.daemon.rank): its launcher ends without error
+# once every rank did.
+HANDED_OVER_EXIT = 75
+
 
 @dataclass
 class DaemonSettings:
@@ -23,6 +28,12 @@ class DaemonSettings:
     # Engine settings for the loaded/processed stages (dtype, max_model_len...);
     # a rank's also carry the tp/pp/dp sizes.
     engine: dict[str, Any] = field(default_factory=dict)
+    # Deposit each rank's arena in the fd store and re-adopt a stored one
+    # (issue 26: preload.daemon.adopt); False: ``--no-fd-store``.
+    fd_store: bool = True
+    # ``--take-over``: ask a running daemon for the same digest and rank to
+    # hand its stored arena over, then adopt it (issue 26).
+    take_over: bool = False
 
     def daemon_settings(self, **changes: Any) -> dict[str, Any]:
         """These fields by name, with ``changes`` (a subclass's own fields left out)."""

@@ -196,9 +196,15 @@ def test_metrics_scrape_parses_with_prometheus_client(served):
         "preload_gate_rank_up": "gauge", "preload_gate_hits": "counter", "preload_gate_misses": "counter",
         "preload_gate_attach_failures": "counter", "preload_gate_attached_engines": "gauge", "preload_gate_resident_bytes": "gauge",
         "preload_gate_load_seconds": "gauge",
+        # Where the arena came from and went (issue 26: the fd store).
+        "preload_gate_adopted": "counter", "preload_gate_proof_failed": "counter",
+        "preload_gate_loaded_from_disk": "counter", "preload_gate_evicted": "counter",
     }
     rank0, digest = served.ready["ranks"][0], served.ready["digest"]
     base = {"rank": "0", "digest": digest}
+    arena = {n: [s.value for s in families[f"preload_gate_{n}"].samples if s.name.endswith("_total")]
+             for n in ("adopted", "proof_failed", "loaded_from_disk", "evicted")}
+    assert arena == {"adopted": [0], "proof_failed": [0], "loaded_from_disk": [1], "evicted": [0]}, arena
     [up] = families["preload_gate_rank_up"].samples
     assert (up.name, up.labels, up.value) == ("preload_gate_rank_up", {"socket": rank0["socket"], **base}, 1)
     assert [(s.name, s.labels) for s in families["preload_gate_hits"].samples] == [("preload_gate_hits_total", base)]
