@@ -195,9 +195,11 @@ def _status(args: argparse.Namespace) -> int:
     elsewhere = [] if args.socket_root else [
         r for root in legacy_socket_roots() if root not in roots for r in status.scan(root) if r.serving]
     status.check_disk(ranks)
+    scanned = [status.scan_store(root) for root in roots]
     report = status.StatusReport(socket_root=str(args.socket_root or default_socket_root()),
                                  socket_roots=[str(r) for r in roots], registry=str(registry_dir()),
-                                 ranks=ranks, elsewhere=elsewhere, refused=refused)
+                                 ranks=ranks, elsewhere=elsewhere, refused=refused,
+                                 stores=[st for st, _ in scanned], stored=[a for _, kept in scanned for a in kept])
     if args.json:
         print(msgspec.json.format(msgspec.json.encode(report), indent=2).decode())
         return 0
