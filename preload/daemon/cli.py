@@ -60,6 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(pinned), or none: serve what the bytes hash to (full)")
     p.add_argument("--expect-digest", default=None, type=digest_arg,
                    help="refuse to serve unless the bytes hash to this (64 hex, as promote prints it)")
+    p.add_argument("--no-fd-store", action="store_true",
+                   help="keep no arena in the fd store (a daemon's crash loses its weights) and adopt none")
     p.add_argument("--health-port", type=port, default=None, help="serve /health and /metrics (off by default)")
     p.add_argument("--health-host", default="127.0.0.1")
     p.add_argument("--unsafe-identity", choices=UNSAFE_IDENTITIES, default=None,
@@ -129,7 +131,7 @@ def _options(args: argparse.Namespace) -> Any:
         stage=stage, transport=args.transport, identity=args.identity, socket_root=args.socket_root,
         expect_digest=args.expect_digest, unsafe_identity=args.unsafe_identity, engine=engine,
         health_port=args.health_port, health_host=args.health_host, master_port=args.master_port,
-        exit_with_parent=args.exit_with_parent,
+        exit_with_parent=args.exit_with_parent, fd_store=not args.no_fd_store,
     )
 
 

@@ -44,6 +44,13 @@ class RankStats:
     requests: int = 0
     bad_frames: int = 0
     releases: int = 0
+    # Where the arena came from and went (issue 26, preload.daemon.adopt):
+    # taken over from the fd store proven, a stored arena that failed its
+    # proof, read from disk, dropped from the store by a release or a stop.
+    adopted: int = 0
+    proof_failed: int = 0
+    loaded_from_disk: int = 0
+    evicted: int = 0
 
     def count_served(self, session: Session) -> None:
         """A get_state reply with the arena went out on ``session``."""
@@ -84,4 +91,6 @@ class RankStats:
             "attach_failures": dict(self.attach_failures), "attaching": self.attaching,
             "last_attach_failure": self.last_attach_failure, "misses": dict(self.misses),
             "requests": self.requests, "bad_frames": self.bad_frames,
+            "adopted": self.adopted, "proof_failed": self.proof_failed,
+            "loaded_from_disk": self.loaded_from_disk, "evicted": self.evicted,
         }

@@ -55,6 +55,14 @@ MAX_CONNECTIONS = 64
 
 log = logging.getLogger("preload.daemon")
 
+# The fd store's counters of a rank (preload.daemon.counters.RankStats, preload.daemon.adopt).
+ARENA_COUNTERS = {
+    "adopted": "arenas taken over from the fd store, proven, with no checkpoint read",
+    "proof_failed": "stored arenas that failed their proof (dropped; the rank read the checkpoint)",
+    "loaded_from_disk": "arenas filled by reading the checkpoint",
+    "evicted": "arenas dropped from the fd store by a release or a clean stop",
+}
+
 
 def ask_rank(socket_path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
     """A rank's ``stats`` answer, or ``(None, why)``: ``why`` is None when
@@ -90,7 +98,9 @@ def metric_families(stats: Sequence[dict[str, Any] | None], sockets: Sequence[st
     ``rank_up`` (gauge, 1/0) per socket; per answering rank, labelled
     ``rank`` and ``digest``: ``hits_total``, ``misses_total`` (by ``reason``)
     and ``attach_failures_total`` (by ``kind``) (counters),
-    ``attached_engines``, ``resident_bytes`` and ``load_seconds`` (gauges).
+    ``attached_engines``, ``resident_bytes`` and ``load_seconds`` (gauges);
+    and where the arena came from (issue 26, counters): ``adopted_total``,
+    ``proof_failed_total``, ``loaded_from_disk_total``, ``evicted_total``.
     """
     base_labels = ["rank", "digest"]
     up = GaugeMetricFamily(PREFIX + "rank_up", "1 when the rank answers on its socket")
@@ -104,6 +114,8 @@ def metric_families(stats: Sequence[dict[str, Any] | None], sockets: Sequence[st
     resident = GaugeMetricFamily(PREFIX + "resident_bytes", "bytes held in the rank's arena", labels=base_labels)
     load = GaugeMetricFamily(PREFIX + "load_seconds", "seconds the rank took to read, hash and place its weights",
                              labels=base_labels)
+    arena_counters = {name: CounterMetricFamily(PREFIX + name, help_, labels=base_labels)
+                      for name, help_ in ARENA_COUNTERS.items()}
     for sock, s in zip(sockets, stats, strict=True):
         if s is None:
             up.add_sample(up.name, {"socket": sock}, 0)
@@ -119,7 +131,9 @@ def metric_families(stats: Sequence[dict[str, Any] | None], sockets: Sequence[st
         attached.add_metric(base, s["attached"])
         resident.add_metric(base, s["resident_bytes"])
         load.add_metric(base, s["load_seconds"])
-    return [up, hits, misses, failures, attached, resident, load]
+        for name in ARENA_COUNTERS:
+            arena_counters[name].add_metric(base, s.get(name, 0))  # a rank of an older release: 0
+    return [up, hits, misses, failures, attached, resident, load, *arena_counters.values()]
 
 
 class RankCollector(Collector):

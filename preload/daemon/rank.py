@@ -19,6 +19,8 @@ from typing import Any
 
 from pgbase.errors import PreloadGateError
 from pgbase.oscause import reason
+from preload.daemon.adopt import Outcome, deposit, expected_key, try_adopt
+from preload.daemon.fdstore import FdStore, FdStoreError, open_store
 from preload.daemon.home import remove_if_empty
 from preload.daemon.lock import RankLock
 from preload.daemon.parent import INTERVAL_S as PARENT_POLL_S
@@ -95,11 +97,27 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
             expected[:16],
         )
     lock = None
+    store: FdStore | None = None
+    adopted: Outcome = Outcome()
+    counts: dict[str, int] = {}
+
+    def count(kind: str) -> None:
+        counts[kind] = counts.get(kind, 0) + 1
+
     if expected is not None:
         sdir, lock = _lock_rank(expected, cfg)
     try:
         baseline = rss_bytes()
-        filled = _fill(cfg, None if cfg.unsafe_identity else expected)
+        store = _open_store(cfg)
+        # Re-adoption (issue 26): the digest is known before the fill, and the
+        # byte proof is ours (never under the unsafe header-only control).
+        if store is not None and expected is not None and cfg.unsafe_identity is None:
+            adopted = _adopt(cfg, expected, store, count)
+        if adopted.filled is not None:
+            filled = adopted.filled
+        else:
+            filled = _fill(cfg, None if cfg.unsafe_identity else expected)
+            count("loaded_from_disk")
         # A stage that imports heavy libraries measures its own baseline after them.
         filled.baseline_rss_bytes = filled.baseline_rss_bytes or baseline
         filled.peak_rss_bytes = peak_rss_bytes()
@@ -113,12 +131,27 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
             log.warning("no manifest or --expect-digest: serving the digest of the bytes read, %s", filled.digest)
             sdir, lock = _lock_rank(filled.digest, cfg)
     except BaseException:
+        if store is not None:
+            store.close()
         if lock is not None:
             lock.release()
             remove_if_empty(lock.path.parent)
         raise
     server = RankServer(filled, sdir, cfg.global_rank, lock, checkpoint=os.path.realpath(cfg.checkpoint))
-    server.start()
+    for kind, n in counts.items():
+        setattr(server.stats, kind, getattr(server.stats, kind) + n)
+    try:
+        server.start()
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
+    # Deposited before the ready line: a daemon killed right after it leaves its arena stored.
+    deposited = store is not None and deposit(store, filled, cfg, server.daemon_id, server.checkpoint,
+                                              adopted.record) is not None
+    if store is not None and deposited:
+        server.on_release = lambda: _evict(store, filled.digest, cfg.global_rank, server)
+    clean = False
     try:
         if announce is not None:
             announce({
@@ -130,14 +163,66 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
                 "load_seconds": round(filled.load_seconds, 4), "bytes_read": filled.bytes_read,
                 "peak_rss_bytes": filled.peak_rss_bytes, "baseline_rss_bytes": filled.baseline_rss_bytes,
                 "daemon_id": server.daemon_id, "gpu_uuid": filled.arena.gpu_uuid,
+                "origin": filled.origin, "generation": filled.generation,
+                "adopt_seconds": round(filled.adopt_seconds, 4),
+                "fd_store": store.name if store is not None and deposited else None,
             })
         while not stop.wait(PARENT_POLL_S):
             # Orphaned (the launcher was killed -9): stop (preload.daemon.parent).
             if parent.gone():
                 log.error("rank %d: the launcher (pid %d) is gone; stopping", cfg.global_rank, parent.parent)
                 break
+        else:
+            clean = True  # told to stop (SIGTERM: the launcher's stop): stopping for good
     finally:
+        if store is not None:
+            # A clean stop takes the arena out of the store; any other end
+            # (the launcher gone, an error) leaves it there for a successor.
+            if clean and deposited and not server.released:
+                _evict(store, filled.digest, cfg.global_rank, server)
+            store.close()
         server.stop()
+
+
+def _open_store(cfg: RankConfig) -> FdStore | None:
+    """The fd store of this rank's socket root (started when absent), None
+    with ``--no-fd-store`` or when it cannot be used (logged: the rank then
+    serves as before, and a crash means a reload)."""
+    if not cfg.fd_store:
+        return None
+    try:
+        return open_store(cfg.socket_root)
+    except FdStoreError as exc:
+        log.warning("rank %d: no fd store (%s); serving without one: a crash of this daemon means a reload",
+                    cfg.global_rank, exc)
+        return None
+
+
+def _adopt(cfg: RankConfig, digest: str, store: FdStore, count: Any) -> Outcome:
+    transport = get_transport(cfg.transport)
+    try:
+        key = expected_key(cfg, digest, transport)
+    except (PreloadGateError, OSError, ValueError) as exc:
+        log.info("rank %d: no key before the fill (%s); not adopting", cfg.global_rank, exc)
+        return Outcome()
+    if key is None:
+        return Outcome()
+    try:
+        return try_adopt(cfg, digest, store, transport, key, count)
+    except FdStoreError as exc:
+        log.warning("rank %d: the fd store failed a fetch (%s); loading from disk", cfg.global_rank, exc)
+        return Outcome()
+
+
+def _evict(store: FdStore, digest: str, global_rank: int, server: RankServer) -> None:
+    """Take this rank's arena out of the store (a clean stop, a release)."""
+    try:
+        store.release(digest, global_rank)
+    except FdStoreError as exc:
+        log.warning("rank %d: could not take the arena out of the fd store: %s", global_rank, exc)
+        return
+    with server._mutex:
+        server.stats.evicted += 1
 
 
 def main() -> int:

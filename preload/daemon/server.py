@@ -72,6 +72,9 @@ class RankServer:
         self._home: HomeWatch | None = None
         self.max_connections = MAX_CONNECTIONS
         self._fd_warned = -1e9
+        # Called once the arena is released on request (copy mode): the rank
+        # drops it from the fd store too, or the store would keep it resident.
+        self.on_release: Any = None
 
     @property
     def lock(self) -> RankLock:
@@ -414,6 +417,8 @@ class RankServer:
             self.stats.releases += 1
         self._close_arena()
         log.info("rank %d: arena released on request (copy mode)", self.global_rank)
+        if self.on_release is not None:
+            self.on_release()
 
     def snapshot(self) -> dict[str, Any]:
         """The ``stats`` answer: identity, what it holds, the counters

@@ -23,6 +23,9 @@ class DaemonSettings:
     # Engine settings for the loaded/processed stages (dtype, max_model_len...);
     # a rank's also carry the tp/pp/dp sizes.
     engine: dict[str, Any] = field(default_factory=dict)
+    # Deposit each rank's arena in the fd store and re-adopt a stored one
+    # (issue 26: preload.daemon.adopt); False: ``--no-fd-store``.
+    fd_store: bool = True
 
     def daemon_settings(self, **changes: Any) -> dict[str, Any]:
         """These fields by name, with ``changes`` (a subclass's own fields left out)."""

@@ -45,6 +45,12 @@ class Filled:
     bytes_read: int = 0
     peak_rss_bytes: int = 0
     baseline_rss_bytes: int = 0
+    # "disk": filled by reading the checkpoint; "adopted": taken over from the
+    # fd store (preload.daemon.adopt), +1 generation per adoption, proven in
+    # ``adopt_seconds`` (fetch, adopt, prove; no checkpoint byte read).
+    origin: str = "disk"
+    generation: int = 0
+    adopt_seconds: float = 0.0
 
 
 @dataclass
