@@ -43,6 +43,7 @@ VERBS: dict[str, Verb] = {
     "fingerprints": Verb("harness.fingerprints"),
     "preload": Verb("preload.daemon.cli"),
     "status": Verb("preload.daemon.cli"),
+    "stop": Verb("preload.daemon.cli"),
     "bench": Verb("harness.cli"),
     "gate": Verb("harness.cli"),
     "demo": Verb("harness.cli"),

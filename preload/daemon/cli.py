@@ -1,4 +1,4 @@
-"""Verbs ``preload`` (start the daemons) and ``status`` (ask running ones)."""
+"""Verbs ``preload`` (start the daemons), ``status`` (ask running ones) and ``stop`` (stop and evict)."""
 
 from __future__ import annotations
 
@@ -83,6 +83,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "~/.cache/preload-gate)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_status)
+
+    t = sub.add_parser(
+        "stop", help="stop a digest's daemons for good and drop its arenas from the fd store",
+        description="Stop the daemons serving TARGET under the socket root (SIGTERM to their launcher, which "
+        "stops every rank) and drop TARGET's arenas from the fd store (keeper or systemd), so no restart "
+        "re-adopts them. TARGET is a checkpoint directory or a digest (64 hex, or 16+ leading hex as status "
+        "prints it); --all stops and drops everything under the root. Nothing found is not an error.")
+    t.add_argument("target", nargs="?", default=None, metavar="DIGEST|CKPT")
+    t.add_argument("--all", action="store_true", help="every daemon under the socket root and every stored arena")
+    t.add_argument("--socket-root", default=None, type=socket_root_arg,
+                   help="the root the daemons were started with (default $PRELOAD_GATE_SOCKET_ROOT, else "
+                   "/tmp/preload-gate-<uid>)")
+    t.add_argument("--timeout", type=positive_int, default=30,
+                   help="seconds to wait for each daemon after SIGTERM before SIGKILL (default 30)")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=_stop)
 
 
 def _cache_dir_arg(value: str) -> str:
@@ -181,9 +197,11 @@ def _status(args: argparse.Namespace) -> int:
     elsewhere = [] if args.socket_root else [
         r for root in legacy_socket_roots() if root not in roots for r in status.scan(root) if r.serving]
     status.check_disk(ranks)
+    scanned = [status.scan_store(root) for root in roots]
     report = status.StatusReport(socket_root=str(args.socket_root or default_socket_root()),
                                  socket_roots=[str(r) for r in roots], registry=str(registry_dir()),
-                                 ranks=ranks, elsewhere=elsewhere, refused=refused)
+                                 ranks=ranks, elsewhere=elsewhere, refused=refused,
+                                 stores=[st for st, _ in scanned], stored=[a for _, kept in scanned for a in kept])
     if args.json:
         print(msgspec.json.format(msgspec.json.encode(report), indent=2).decode())
         return 0
@@ -196,3 +214,22 @@ def _status(args: argparse.Namespace) -> int:
         lines.append(f"no preload daemons found under {where}")
     print("\n".join(lines))
     return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from preload.daemon import stop
+    from preload.sockets import default_socket_root
+
+    target = stop.parse_target(args.target, args.all)
+    root = args.socket_root or str(default_socket_root())
+    if os.path.lexists(root) and not os.path.isdir(root):
+        raise PreloadGateError(f"--socket-root {root} is not a directory; name the directory daemons were started "
+                               "with (preload --socket-root DIR)")
+    report = stop.stop(target, root, timeout_s=float(args.timeout))
+    if args.json:
+        print(msgspec.json.format(msgspec.json.encode(report), indent=2).decode())
+    else:
+        print("\n".join(stop.render(report)))
+    return 1 if report.failed else 0

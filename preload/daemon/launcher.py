@@ -43,6 +43,7 @@ from preload.sockets import socket_dir
 from preload.trust import require_unsafe_controls
 
 if TYPE_CHECKING:
+    from preload.daemon.fdstore_systemd import Inherited
     from preload.daemon.stage import RankConfig
 
 log = logging.getLogger("preload.daemon")
@@ -141,8 +142,10 @@ def rank_orders(opts: PreloadOptions) -> list[tuple[Placement, RankConfig]]:
 
 
 class Launcher:
-    def __init__(self, opts: PreloadOptions) -> None:
+    def __init__(self, opts: PreloadOptions, inherited: Inherited | None = None) -> None:
         self.opts = opts
+        # The fds systemd's store passed this process (the unit's main one): every rank gets them.
+        self.inherited = inherited
         self.procs: list[tuple[Placement, subprocess.Popen[bytes]]] = []
 
     def start(self, interrupted: Callable[[], str | None] = lambda: None) -> dict[str, Any]:
@@ -157,7 +160,11 @@ class Launcher:
             env = dict(os.environ)
             if cfg.cpus:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cfg.cpus))
-            self.procs.append((p, start_rank(cfg.to_json(), env=env)))
+            fds: list[int] = []
+            if self.inherited is not None:
+                env.update(self.inherited.child_env())
+                fds = self.inherited.all_fds()
+            self.procs.append((p, start_rank(cfg.to_json(), env=env, pass_fds=fds)))
 
         def check_interrupted() -> None:
             reason = interrupted()
@@ -245,7 +252,13 @@ def run(opts: PreloadOptions, out: Any = None) -> int:
             return f"the process that started this daemon (pid {parent.parent}) is gone"
         return None
 
-    launcher = Launcher(opts)
+    from preload.daemon import fdstore_systemd
+
+    # Under a unit that keeps fds, they come to this process (LISTEN_PID is
+    # ours) and go on to the ranks, which adopt them (preload.daemon.rank).
+    inherited = (fdstore_systemd.take_listen_fds()
+                 if os.environ.get(fdstore_systemd.STORE_ENV) == "systemd" else None)
+    launcher = Launcher(opts, inherited)
     health = None
     entry = None
     try:
@@ -259,6 +272,9 @@ def run(opts: PreloadOptions, out: Any = None) -> int:
         entry = registry.register(os.path.dirname(ready["socket_dir"]), ready["digest"])
         out.write(json.dumps(ready) + "\n")
         out.flush()
+        if inherited is not None:  # the ranks hold theirs now; systemd keeps its own copies
+            inherited.close()
+        fdstore_systemd.notify_ready(f"serving {ready['digest']}")  # Type=notify units: started
         while not stop.wait(POLL_S):
             if not launcher.alive():
                 log.error("a rank process died; stopping the others")
@@ -269,6 +285,13 @@ def run(opts: PreloadOptions, out: Any = None) -> int:
                 return 1
         return 0
     finally:
+        if os.environ.get("NOTIFY_SOCKET"):
+            try:
+                fdstore_systemd.sd_notify("STOPPING=1")
+            except PreloadGateError as exc:
+                log.warning("could not tell systemd the daemon is stopping: %s", exc)
+        if inherited is not None:
+            inherited.close()
         registry.unregister(entry)
         if health is not None:
             health.stop()

@@ -83,11 +83,13 @@ def start_preload(args: Sequence[str], *, env: Mapping[str, str] | None = None, 
 
 
 def start_rank(config: Mapping[str, Any], *, env: Mapping[str, str] | None = None, cwd: Any = None,
-               stderr: Stderr = None) -> subprocess.Popen[bytes]:
+               stderr: Stderr = None, pass_fds: Sequence[int] = ()) -> subprocess.Popen[bytes]:
     """One rank process, ``config`` (a :class:`preload.daemon.stage.RankConfig`
-    as JSON) written to its stdin, its stdout piped for its ready line."""
+    as JSON) written to its stdin, its stdout piped for its ready line;
+    ``pass_fds`` stay open in it under the same numbers (the fds systemd's
+    store passed the launcher: :mod:`preload.daemon.fdstore_systemd`)."""
     proc = subprocess.Popen([sys.executable, *RANK_COMMAND], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=stderr, env=env, cwd=cwd)
+                            stderr=stderr, env=env, cwd=cwd, pass_fds=tuple(pass_fds))
     assert proc.stdin is not None
     proc.stdin.write((json.dumps(dict(config)) + "\n").encode())
     proc.stdin.close()

@@ -94,9 +94,43 @@ class DaemonRecord(msgspec.Struct, kw_only=True):
     disk: DiskCheck | None = None
 
 
+class StoredRecord(msgspec.Struct, kw_only=True):
+    """One arena an fd store keeps (:meth:`preload.daemon.fdstore.FdStore.list`):
+    ``ArenaRecord.summary()`` plus ``held`` (a live depositor holds it; else
+    an orphan, kept ``ttl_left_s`` more seconds, None: until ``stop`` or
+    unknown), the store's name and its socket root."""
+
+    socket_root: str
+    store: str
+    digest: str
+    rank: int
+    stage: str
+    transport: str
+    bytes: int
+    held: bool
+    tensors: int = 0
+    origin: str = ""
+    generation: int = 0
+    checkpoint: str = ""
+    daemon_id: str = ""
+    pid: int = 0
+    deposited_at: float = 0.0
+    ttl_left_s: float | None = None
+
+
+class StoreState(msgspec.Struct):
+    """The fd store of one socket root: its name (None: none runs) or why it
+    could not be listed."""
+
+    socket_root: str
+    store: str | None
+    error: str | None = None
+
+
 class StatusReport(msgspec.Struct):
     """``status --json``: every rank found (``ranks``), serving daemons under
-    roots engines do not look in (``elsewhere``), registry entries refused."""
+    roots engines do not look in (``elsewhere``), registry entries refused,
+    and what the fd store of each root keeps (``stores``, ``stored``)."""
 
     socket_root: str
     socket_roots: list[str]
@@ -105,6 +139,34 @@ class StatusReport(msgspec.Struct):
     elsewhere: list[DaemonRecord]
     refused: list[dict[str, str]]
     format: str = FORMAT
+    stores: list[StoreState] = msgspec.field(default_factory=list)
+    stored: list[StoredRecord] = msgspec.field(default_factory=list)
+
+
+def scan_store(root: str | os.PathLike[str]) -> tuple[StoreState, list[StoredRecord]]:
+    """What the fd store of ``root`` keeps, asked without starting one
+    (``open_store(root, start=False)``). A store that cannot be reached or
+    answers badly is reported in :attr:`StoreState.error`, not raised:
+    ``status`` shows what it can."""
+    from preload.daemon import fdstore
+
+    where = str(root)
+    try:
+        store = fdstore.open_store(where, start=False)
+    except NotImplementedError:  # a tree built without a store (before the keeper): none runs
+        return StoreState(where, None), []
+    except (PreloadGateError, OSError) as exc:
+        return StoreState(where, None, error=str(exc) or type(exc).__name__), []
+    if store is None:
+        return StoreState(where, None), []
+    try:
+        listed = store.list()
+        records = [msgspec.convert({**a, "socket_root": where, "store": store.name}, StoredRecord) for a in listed]
+    except (PreloadGateError, OSError, msgspec.ValidationError) as exc:
+        return StoreState(where, store.name, error=str(exc)), []
+    finally:
+        store.close()
+    return StoreState(where, store.name), sorted(records, key=lambda r: (r.digest, r.rank))
 
 
 def scan(root: str | os.PathLike[str] | None) -> list[DaemonRecord]:
@@ -279,7 +341,32 @@ def render(report: StatusReport, default_root: Path) -> list[str]:
                      "PRELOAD_GATE_SOCKET_ROOT to that directory everywhere")
     for r in report.ranks:
         lines += _serving(r, default_root) if r.serving else [_not_serving(r)]
+    lines += store_lines(report)
     return lines
+
+
+def store_lines(report: StatusReport) -> list[str]:
+    """The fd store section: per root with a store, each arena it keeps."""
+    out: list[str] = []
+    for st in report.stores:
+        if st.error:
+            out.append(f"note: cannot list the fd store of {st.socket_root}: {st.error}")
+            continue
+        if st.store is None:
+            continue
+        kept = [a for a in report.stored if a.socket_root == st.socket_root]
+        total = sum(a.bytes for a in kept)
+        out.append(f"fd store ({st.store}) of {st.socket_root}: {len(kept)} arena(s), {total} bytes")
+        for a in kept:
+            if a.held:
+                who = f"held by pid {a.pid}"
+            elif a.ttl_left_s is None:
+                who = "orphan (kept until preload-gate stop)"
+            else:
+                who = f"orphan ({a.ttl_left_s:.0f} s of its TTL left)"
+            out.append(f"    {short_digest(a.digest)} rank {a.rank} {a.stage}/{a.transport} {a.bytes} bytes, "
+                       f"{a.origin or '?'} gen {a.generation}, {who}  {a.checkpoint}".rstrip())
+    return out
 
 
 def _not_serving(r: DaemonRecord) -> str:

@@ -218,6 +218,10 @@ BAD = [
     ("canary", ["canary", "check", "--base-url", "not-a-url", "--golden", "{base}/g.json"], None,
      "is not an http(s) URL"),
     ("status", ["status", "--socket-root", "{base}/afile"], None, "is not a directory"),
+    ("stop", ["stop"], None, "name what to stop"),
+    ("stop", ["stop", "{base}/afile"], None, "{base}/afile is not a directory"),
+    ("stop", ["stop", "xyz", "--all"], None, "not both"),
+    ("stop", ["stop", "--all", "--socket-root", "{base}/afile"], None, "is not a directory"),
     # A real row named: the directory checks refuse before it runs (row names
     # and --param values are checked before them, so no probe precedes a refusal).
     ("bench", ["bench", "--out", "{base}/afile", "--only", "restart_identity"], None, "is not a directory"),

@@ -29,7 +29,7 @@ from reliability_support import fresh_checkpoint
 
 from preload import protocol
 from preload.daemon import status
-from preload.daemon.status import DaemonRecord, DiskCheck, StatusReport
+from preload.daemon.status import DaemonRecord, DiskCheck, StatusReport, StoredRecord, StoreState
 from preload.identity import filestat
 from preload.identity import manifest as manifest_mod
 from preload.identity.manifest import manifest_path
@@ -215,7 +215,7 @@ def test_a_daemon_of_another_release_is_named_not_called_dead(tmp_path: Path) ->
 def test_the_json_shape_is_documented() -> None:
     """Every field ``status --json`` prints is named in docs/daemon.md."""
     doc = (REPO / "docs" / "daemon.md").read_text()
-    for struct in (StatusReport, DaemonRecord, DiskCheck):
+    for struct in (StatusReport, DaemonRecord, DiskCheck, StoredRecord, StoreState):
         for name in struct.__struct_fields__:
             assert f"`{name}`" in doc, f"{struct.__name__}.{name} is not documented in docs/daemon.md"
 
