@@ -51,7 +51,7 @@ ROW_MODULES: dict[str, str] = {
     "harness.bench.daemon": "",
     "harness.bench.gpu": "",
     "harness.bench.gpu_daemon": "",
-    "harness.bench.gpu_readopt": "",
+    "harness.bench.readopt": "",
     "harness.bench.gate": "",
     "harness.bench.load": "",
     "harness.bench.preflight": "",
