@@ -245,12 +245,9 @@ def open_store(socket_root: str | os.PathLike[str] | None, start: bool = True) -
     ``start``). None when ``start`` is False and no keeper runs.
     Raises FdStoreError when a store is configured but cannot be used."""
     if os.environ.get(FDSTORE_ENV) == "systemd" and os.environ.get("NOTIFY_SOCKET"):
-        import importlib.util
+        from preload.daemon.fdstore_systemd import SystemdStore
 
-        if importlib.util.find_spec("preload.daemon.fdstore_systemd") is not None:
-            from preload.daemon import fdstore_systemd
-
-            return fdstore_systemd.SystemdStore()  # type: ignore[attr-defined,no-any-return]
+        return SystemdStore.from_environment()
     from preload.sockets import default_socket_root
 
     root = Path(socket_root) if socket_root is not None else default_socket_root()

@@ -361,3 +361,21 @@ def test_record_seals_are_the_shm_arena_seals() -> None:
     from preload.transports.shm import SEALS
 
     assert RECORD_SEALS == SEALS
+
+
+def test_open_store_picks_systemds_store_under_the_unit_and_the_keeper_otherwise(tmp_path, monkeypatch):
+    """The shipped unit's environment selects SystemdStore; without PRELOAD_GATE_FDSTORE it is the keeper's."""
+    from preload.daemon import fdstore
+    from preload.daemon.fdstore_systemd import SystemdStore
+
+    notify = tmp_path / "notify"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify))
+    try:
+        monkeypatch.setenv("NOTIFY_SOCKET", str(notify))
+        monkeypatch.setenv(fdstore.FDSTORE_ENV, "systemd")
+        assert isinstance(fdstore.open_store(str(tmp_path / "root"), start=False), SystemdStore)
+        monkeypatch.delenv(fdstore.FDSTORE_ENV)  # control: no unit setting, no systemd store
+        assert not isinstance(fdstore.open_store(str(tmp_path / "root"), start=False), SystemdStore)
+    finally:
+        sock.close()
