@@ -28,68 +28,20 @@ removes it at once. The store holds at most :data:`MAX_ARENAS` arenas.
 
 from __future__ import annotations
 
-import abc
 import os
 import socket
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pgbase.errors import InsecureSocketError, PreloadGateError, ProtocolError
 from preload import protocol
 from preload.daemon.arena_record import MAX_ARENAS, ArenaRecord
+from preload.daemon.fdstore_base import FdStore, FdStoreError, StoredArena
 
 __all__ = ["MAX_ARENAS", "FdStore", "FdStoreError", "KeeperStore", "StoredArena", "open_store"]
 
 # MAX_ARENAS: arenas one store holds; a deposit past it is refused (FdStoreError).
-
-
-class FdStoreError(PreloadGateError):
-    """The store could not be reached, refused a deposit, or answered badly."""
-
-
-@dataclass
-class StoredArena:
-    """One arena fetched from a store: its record and fresh fds (the caller's to close)."""
-
-    record: ArenaRecord
-    fds: list[int]
-    held: bool = False  # a live depositor still holds it (not an orphan)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-class FdStore(abc.ABC):
-    """One store handle, opened by a daemon rank or by ``status``/``stop``."""
-
-    name: str = ""  # "keeper" | "systemd"
-
-    @abc.abstractmethod
-    def deposit(self, record: ArenaRecord, fds: list[int]) -> None:
-        """Keep ``fds`` (duplicated: the caller still owns its own) under
-        ``(record.digest, record.global_rank)``, replacing what was there.
-        Raises FdStoreError (full, refused, unreachable)."""
-
-    @abc.abstractmethod
-    def fetch(self, digest: str, global_rank: int) -> StoredArena | None:
-        """The stored arena for ``digest`` and ``global_rank`` with fresh fds, or None."""
-
-    @abc.abstractmethod
-    def release(self, digest: str, global_rank: int) -> None:
-        """This depositor is stopping for good: drop what it deposited."""
-
-    @abc.abstractmethod
-    def drop(self, digest: str | None = None, global_rank: int | None = None) -> list[dict[str, Any]]:
-        """Drop stored arenas (all of ``digest``, one rank, or everything for
-        None); returns the summaries of what was dropped."""
-
-    @abc.abstractmethod
-    def list(self) -> list[dict[str, Any]]:
-        """``ArenaRecord.summary()`` of each stored arena plus ``held`` (bool)."""
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Close this handle (a depositor's arenas become orphans, kept for their TTL)."""
 
 
 class KeeperStore(FdStore):
@@ -245,7 +197,7 @@ def open_store(socket_root: str | os.PathLike[str] | None, start: bool = True) -
     ``start``). None when ``start`` is False and no keeper runs.
     Raises FdStoreError when a store is configured but cannot be used."""
     if os.environ.get(FDSTORE_ENV) == "systemd" and os.environ.get("NOTIFY_SOCKET"):
-        from preload.daemon.fdstore_systemd import SystemdStore
+        from preload.daemon.fdstore_systemd import SystemdStore  # imported only when chosen
 
         return SystemdStore.from_environment()
     from preload.sockets import default_socket_root

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from preload.daemon.arena_record import MAX_FDS_PER_RECORD, MAX_RECORD_BYTES, ArenaRecord
-from preload.daemon.fdstore import MAX_ARENAS, FdStore, FdStoreError, StoredArena
+from preload.daemon.fdstore_base import MAX_ARENAS, FdStore, FdStoreError, StoredArena
 
 log = logging.getLogger("preload.daemon.fdstore")
 

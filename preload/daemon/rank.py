@@ -117,7 +117,9 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
         sdir, lock = _lock_rank(expected, cfg) if predecessor is None else _lock_after(expected, cfg)
     try:
         baseline = rss_bytes()
-        store = _open_store(cfg)
+        # A running store only: nothing (no keeper, no socket) is started
+        # for a checkpoint that may yet be refused; the deposit starts one.
+        store = _open_store(cfg, start=False)
         # Re-adoption (issue 26): the digest is known before the fill, and the
         # byte proof is ours (never under the unsafe header-only control).
         if store is not None and expected is not None and cfg.unsafe_identity is None:
@@ -157,6 +159,8 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
         if store is not None:
             store.close()
         raise
+    if store is None:
+        store = _open_store(cfg, start=True)
     # Deposited before the ready line: a daemon killed right after it leaves its arena stored.
     deposited = store is not None and deposit(store, filled, cfg, server.daemon_id, server.checkpoint,
                                               adopted.record) is not None
@@ -248,14 +252,15 @@ def _lock_after(digest: str, cfg: RankConfig) -> tuple[Path, RankLock]:
             time.sleep(0.05)
 
 
-def _open_store(cfg: RankConfig) -> FdStore | None:
-    """The fd store of this rank's socket root (started when absent), None
-    with ``--no-fd-store`` or when it cannot be used (logged: the rank then
-    serves as before, and a crash means a reload)."""
+def _open_store(cfg: RankConfig, start: bool) -> FdStore | None:
+    """The fd store of this rank's socket root (started when absent and
+    ``start``), None with ``--no-fd-store``, when none runs and not ``start``,
+    or when it cannot be used (logged: the rank then serves as before, and a
+    crash means a reload)."""
     if not cfg.fd_store:
         return None
     try:
-        return open_store(cfg.socket_root)
+        return open_store(cfg.socket_root, start=start)
     except FdStoreError as exc:
         log.warning("rank %d: no fd store (%s); serving without one: a crash of this daemon means a reload",
                     cfg.global_rank, exc)
