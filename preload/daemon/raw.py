@@ -18,7 +18,7 @@ from preload.daemon.proof import ProvenShard, check_digest, torch_dtype, torch_s
 from preload.daemon.server import MAX_CONNECTIONS
 from preload.daemon.stage import Filled, create_arena
 from preload.daemon.tp_slice import plan_slices, read_slice
-from preload.identity.config import config_digest, read_config
+from preload.identity.config import canonical_digest, first_architecture, read_config
 from preload.identity.key import WeightCacheKey
 from preload.identity.manifest import Manifest
 from preload.transports.base import Layout, Transport
@@ -30,12 +30,10 @@ def raw_key(
     """The key of a raw-stage rank; a raw consumer builds the same one.
     With ``tp_size > 1`` the rank holds only its slices (preload.daemon.tp_slice)."""
     cfg = read_config(checkpoint)  # CheckpointError for a config vLLM could not read either
-    archs = (cfg or {}).get("architectures") or [""]
-    arch = archs[0]
     return WeightCacheKey(
         content_digest=digest,
-        config_digest=config_digest(checkpoint),
-        architecture=arch,
+        config_digest=None if cfg is None else canonical_digest(cfg),
+        architecture=first_architecture(cfg),
         export_stage="raw",
         transport=transport,
         tp_size=tp_size,

@@ -4,7 +4,10 @@ Each rank that answers is asked for ``stats`` (identity, key, counters) and
 its folder is put to the engines' own restart check
 (:func:`preload.identity.manifest.stale_reason` against the manifest in the
 cache the rank read): every daemon's folder in one :func:`stat_all`, one
-round trip. So ``status`` says what an engine started on that folder would
+round trip. config.json is no shard (an edit in place moves no stat the
+manifest holds), so it is read once per folder and the key's folder fields
+recomputed from it by the key's own functions: an engine would miss on
+them. So ``status`` says what an engine started on that folder would
 find: this daemon (``fresh``), a miss (``stale``: the folder changed, has
 no manifest, or was promoted again), another daemon (``superseded``), or
 that it cannot tell (``unknown``), with the command that fixes it.
@@ -23,7 +26,7 @@ import shlex
 import stat
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -42,8 +45,9 @@ class DiskCheck(msgspec.Struct):
 
     state: Literal["fresh", "stale", "superseded", "unknown"]
     # Why stale: the folder changed since promotion, it has no manifest (or one
-    # of another version), or it was promoted again as other content.
-    cause: Literal["changed", "no_manifest", "promoted_again", ""] = ""
+    # of another version), it was promoted again as other content, or its
+    # config.json no longer gives the daemon's key (shard "config.json").
+    cause: Literal["changed", "no_manifest", "promoted_again", "config", ""] = ""
     reason: str = ""
     shard: str | None = None
     fields: str = ""
@@ -249,6 +253,8 @@ def check_disk(records: list[DaemonRecord]) -> None:
     )
 
     serving = [r for r in records if r.serving and r.checkpoint]
+    # config.json, read once per folder: the key's folder-derived fields (no stat sees an edit of it).
+    configs = {str(r.checkpoint): _folder_config(str(r.checkpoint)) for r in serving}
     manifests: dict[tuple[str, str | None], Manifest | DiskCheck | None] = {}
     for r in serving:
         where = (str(r.checkpoint), r.cache_dir)
@@ -270,25 +276,96 @@ def check_disk(records: list[DaemonRecord]) -> None:
         where = (str(r.checkpoint), r.cache_dir)
         found = manifests[where]
         if isinstance(found, DiskCheck):
-            r.disk = msgspec.structs.replace(found, fix=_fixes(r)[0] if found.state == "stale" else "")
+            r.disk = msgspec.structs.replace(found, fix=_fixes(r).promote if found.state == "stale" else "")
         else:
-            r.disk = _judge(r, found, stats.get(where), serving)
+            r.disk = _judge(r, found, stats.get(where), serving, configs[str(r.checkpoint)])
 
 
-def _judge(r: DaemonRecord, manifest: Any, stats: list[Any] | None, serving: list[DaemonRecord]) -> DiskCheck:
+def _folder_config(checkpoint: str) -> Any:
+    """The folder's config.json as the key reads it (:func:`preload.identity.config.read_config`):
+    the parsed object, None without one, or the :class:`CheckpointError` an engine would get."""
+    from pgbase.errors import CheckpointError
+    from preload.identity.config import read_config
+
+    try:
+        return read_config(checkpoint)
+    except CheckpointError as exc:
+        return exc
+
+
+def _config_check(r: DaemonRecord, cfg: Any, where: str, fixes: _Fixes) -> DiskCheck | None:
+    """Stale when the key an engine builds from the folder now differs from
+    the daemon's in a field config.json gives (:data:`preload.daemon.key_flags.FROM_FOLDER`);
+    None when they agree or the daemon sent no key this release reads.
+
+    Recomputed by the key's own functions: ``config_digest`` (every stage
+    keys it, by :func:`preload.identity.config.config_digest`) and, for the
+    raw stage, ``architecture`` as :func:`preload.daemon.raw.raw_key` reads
+    it. vLLM's stages derive ``architecture``, ``quant_config_digest`` and
+    ``rope_digest`` from the config vLLM builds (not computable without
+    vLLM); each follows from config.json, so its digest changes with them."""
+    from pgbase.errors import CheckpointError
+    from preload.daemon.key_flags import FROM_FOLDER
+    from preload.identity.config import canonical_digest, first_architecture
+
+    try:
+        key = WeightCacheKey.from_json(r.key) if r.key else None
+    except ValueError:  # a key of another release: the disk check alone
+        key = None
+    if key is None:
+        return None
+    path = os.path.join(str(r.checkpoint), "config.json")
+    restore = (f"restore {path} (the daemon read one: config_digest {_shown(key.config_digest)}); "
+               "engines cannot build the model without it")
+    if isinstance(cfg, CheckpointError):
+        return DiskCheck("stale", "config", reason=str(cfg), shard="config.json", fields=str(cfg), manifest=where,
+                         manifest_digest=r.digest, fix=restore)
+    now: dict[str, Any] = {"config_digest": None if cfg is None else canonical_digest(cfg)}
+    if key.export_stage == "raw":
+        now["architecture"] = first_architecture(cfg)
+    assert set(now) <= FROM_FOLDER
+    differ = [f for f in now if getattr(key, f) != now[f]]
+    if not differ:
+        return None
+    fields = ", ".join(f"{f} {_shown(getattr(key, f))} -> {_shown(now[f])}" for f in differ)
+    if cfg is None and key.config_digest is not None:
+        return DiskCheck("stale", "config", reason="config.json removed", shard="config.json",
+                         fields=f"removed ({fields})", manifest=where, manifest_digest=r.digest, fix=restore)
+    return DiskCheck("stale", "config", reason=f"config.json changed since the daemon started: {fields}",
+                     shard="config.json", fields=fields, manifest=where, manifest_digest=r.digest,
+                     fix=fixes.restart)
+
+
+def _shown(value: Any) -> str:
+    """A key value in a line: a digest by its first 16 hex, nothing as "none"."""
+    if value is None:
+        return "none"
+    return short_digest(value) if isinstance(value, str) and len(value) == 64 else str(value or '""')
+
+
+def _judge(r: DaemonRecord, manifest: Any, stats: list[Any] | None, serving: list[DaemonRecord],
+           cfg: Any = None) -> DiskCheck:
     from preload.identity.filestat import STAT_BLIND_FILESYSTEMS, FileStat, filesystem_type_of_dev
     from preload.identity.manifest import manifest_path, stale_reason
 
     ckpt, digest = str(r.checkpoint), str(r.digest)
-    then, restart, stop = _fixes(r)
+    fixes = _fixes(r)
+    then, restart, stop = fixes.promote, fixes.start_new, fixes.stop
     if manifest is None:
         return DiskCheck("stale", "no_manifest", reason=f"no promotion manifest in {r.cache_dir}",
                          manifest=str(manifest_path(ckpt, r.cache_dir)), fix=then)
     where = str(manifest_path(ckpt, r.cache_dir))
+    # The weights may be the promoted ones while the key's other folder fields
+    # are not (a folder gone is the stat check's alone to name).
+    config = _config_check(r, cfg, where, fixes) if os.path.isdir(ckpt) else None
     # stat_blind_ok, as the daemon itself: on tmpfs the stats are still compared.
     found = stale_reason(ckpt, manifest, stat_blind_ok=True, stats=stats)
     if found is not None:
         reason, shard = found
+        if config is not None and config.fix.startswith("restore"):  # promote alone keeps it missing
+            then = f"{config.fix}, then {then}"
+        elif config is not None:  # config.json replaced (a new inode): promote prints the same digest
+            then += f"; if it prints {short_digest(digest)}, {fixes.restart}"
         return DiskCheck("stale", "changed", reason=reason, shard=shard, fields=_fields(manifest, shard, stats or []),
                          manifest_digest=manifest.digest, manifest=where, fix=then)
     if manifest.digest != digest:
@@ -298,6 +375,8 @@ def _judge(r: DaemonRecord, manifest: Any, stats: list[Any] | None, serving: lis
                              f"{other.pid}", manifest_digest=manifest.digest, manifest=where, fix=stop)
         return DiskCheck("stale", "promoted_again", reason=f"promoted again as {short_digest(manifest.digest)}",
                          manifest_digest=manifest.digest, manifest=where, fix=restart)
+    if config is not None:
+        return config
     d = stats[0] if stats else None
     blind = isinstance(d, FileStat) and filesystem_type_of_dev(d.dev) in STAT_BLIND_FILESYSTEMS
     return DiskCheck("fresh", manifest_digest=manifest.digest, manifest=where, reason=(
@@ -305,16 +384,30 @@ def _judge(r: DaemonRecord, manifest: Any, stats: list[Any] | None, serving: lis
         f"(expected_digest {digest})" if blind else ""))
 
 
-def _fixes(r: DaemonRecord) -> tuple[str, str, str]:
-    """What to run for ``r``: promote (then a daemon for a new digest), a
-    daemon for the digest the manifest names, and stopping ``r``."""
+class _Fixes(NamedTuple):
+    """What to run for a record: ``promote`` (then a daemon for a new
+    digest), ``start_new`` (a daemon for the digest the manifest names),
+    ``stop`` (this one), ``restart`` (this one stopped, then started again on
+    the same digest: config.json changed, the weights did not)."""
+
+    promote: str
+    start_new: str
+    stop: str
+    restart: str
+
+
+def _fixes(r: DaemonRecord) -> _Fixes:
     from preload.identity.manifest import promote_command
 
     start = f"as this one was: {r.command}" if r.command else "with this one's settings"
     stop = f"stop this one (kill {r.launcher_pid})" if r.launcher_pid else "stop this one"
+    start_new = f"start a daemon for it ({start}) and {stop}"
     promote = (f"{promote_command(str(r.checkpoint), r.cache_dir)}; if it prints a digest other than "
-               f"{short_digest(str(r.digest))}, start a daemon for it ({start}) and {stop}")
-    return promote, f"start a daemon for it ({start}) and {stop}", stop
+               f"{short_digest(str(r.digest))}, {start_new}")
+    # The same digest: the new daemon needs this one's socket dir and rank lock.
+    restart = (f"{stop} first, then start it again ({start}); no promote: the weights' digest is unchanged, "
+               "and the new daemon reads config.json as it is now")
+    return _Fixes(promote, start_new, stop, restart)
 
 
 def _fields(manifest: Any, shard: str | None, stats: list[Any]) -> str:

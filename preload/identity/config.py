@@ -42,9 +42,20 @@ def read_config(checkpoint: str | os.PathLike[str]) -> Any:
 def config_digest(checkpoint: str | os.PathLike[str]) -> str | None:
     """SHA-256 of ``config.json`` in canonical form (sorted keys, no spaces)."""
     obj = read_config(checkpoint)
-    if obj is None:
-        return None
+    return None if obj is None else canonical_digest(obj)
+
+
+def canonical_digest(obj: Any) -> str:
+    """The digest :func:`config_digest` gives a config already read
+    (``status`` reads config.json once and takes every key field from it)."""
     canon = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     # surrogatepass: a lone surrogate escape ("\\ud800") is valid JSON and
     # must hash, not crash; every other string encodes as plain UTF-8.
     return hashlib.sha256(canon.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def first_architecture(cfg: Any) -> str:
+    """The model class a raw-stage key names: the first of ``architectures``
+    ("" without one). ``cfg`` is :func:`read_config`'s answer."""
+    archs = (cfg or {}).get("architectures") or [""]
+    return str(archs[0])

@@ -29,9 +29,11 @@ from reliability_support import fresh_checkpoint
 
 from preload import protocol
 from preload.daemon import status
+from preload.daemon.raw import raw_key
 from preload.daemon.status import DaemonRecord, DiskCheck, StatusReport, StoredRecord, StoreState
 from preload.identity import filestat
 from preload.identity import manifest as manifest_mod
+from preload.identity.key import WeightCacheKey
 from preload.identity.manifest import manifest_path
 from preload.promote import promote
 
@@ -46,9 +48,11 @@ def _promoted(tmp: Path, name: str, seed: int = 3) -> tuple[Path, Path, str]:
 
 
 def _record(ckpt: Path, cache: Path, digest: str, pid: int = 4242) -> DaemonRecord:
+    """A raw daemon's record as its stats answer gives it: its key read from the folder when it started."""
     return DaemonRecord(socket=f"/run/pg/{digest[:16]}/rank0.sock", socket_root="/run/pg", serving=True, pid=pid,
                         rank=0, digest=digest, checkpoint=str(ckpt), cache_dir=str(cache), launcher_pid=pid - 1,
-                        command="preload-gate preload CKPT --stage raw", stage="raw", transport="shm")
+                        command="preload-gate preload CKPT --stage raw", stage="raw", transport="shm",
+                        key=raw_key(ckpt, digest, "shm").to_json())
 
 
 def _shard(ckpt: Path) -> Path:
@@ -91,6 +95,40 @@ def _move_away(ckpt: Path, cache: Path) -> None:
     ckpt.rename(ckpt.with_name(ckpt.name + "-moved"))
 
 
+def _edit_config(ckpt: Path, cache: Path) -> None:
+    """One value changed in place, the file's size kept: no shard's stat moves."""
+    p = ckpt / "config.json"
+    text = p.read_text()
+    p.write_text(text.replace('"rope_theta": 10000.0', '"rope_theta": 20000.0'))
+    assert p.read_text() != text and len(p.read_text()) == len(text)
+
+
+def _rename_architecture(ckpt: Path, cache: Path) -> None:
+    p = ckpt / "config.json"
+    p.write_text(p.read_text().replace("LlamaForCausalLM", "MistralForCausalLM"))
+
+
+def _reformat_config(ckpt: Path, cache: Path) -> None:
+    """The same object, other spacing and key order: the canonical form (the key's digest) is unchanged."""
+    p = ckpt / "config.json"
+    p.write_text(json.dumps(dict(reversed(list(json.loads(p.read_text()).items()))), indent=4))
+
+
+def _remove_config(ckpt: Path, cache: Path) -> None:
+    (ckpt / "config.json").unlink()
+
+
+def _replace_config(ckpt: Path, cache: Path) -> None:
+    """Edited as most editors save: a new file renamed over the old (the folder's entries change)."""
+    p = ckpt / "config.json"
+    p.with_name("config.json.tmp").write_text(p.read_text().replace("10000.0", "20000.0"))
+    os.replace(p.with_name("config.json.tmp"), p)
+
+
+def _break_config(ckpt: Path, cache: Path) -> None:
+    (ckpt / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+
+
 # row -> (change, state, cause, shard ("first": the first shard), words the reason or fields hold)
 ROWS: dict[str, tuple[Callable[[Path, Path], None] | None, str, str, str | None, str]] = {
     "control: nothing changed": (None, "fresh", "", None, ""),
@@ -102,6 +140,15 @@ ROWS: dict[str, tuple[Callable[[Path, Path], None] | None, str, str, str | None,
     "promoted again": (_promote_edit, "stale", "promoted_again", None, "promoted again as"),
     "manifest others can write": (_loosen_manifest, "unknown", "", None, "group/world"),
     "folder moved away": (_move_away, "stale", "changed", None, "cannot stat the checkpoint directory"),
+    # config.json is no shard: the manifest's stats do not see it, the key's config_digest does.
+    "config.json edited in place (same size)": (_edit_config, "stale", "config", "config.json", "config_digest "),
+    "config.json architecture renamed": (_rename_architecture, "stale", "config", "config.json",
+                                         "architecture LlamaForCausalLM -> MistralForCausalLM"),
+    "control: config.json reformatted": (_reformat_config, "fresh", "", None, ""),
+    # Removed or renamed over: the folder's entries change, which the engines' stat check sees first.
+    "config.json removed": (_remove_config, "stale", "changed", None, "config.json removed"),
+    "config.json replaced by rename": (_replace_config, "stale", "changed", None, "config.json"),
+    "config.json invalid": (_break_config, "stale", "config", "config.json", "not readable JSON"),
 }
 
 
@@ -110,9 +157,9 @@ def test_disk_check(tmp_path: Path, row: str) -> None:
     change, state, cause, shard, words = ROWS[row]
     ckpt, cache, digest = _promoted(tmp_path, "m")
     first = _shard(ckpt).name
+    rec = _record(ckpt, cache, digest)  # the daemon started on the folder as promoted
     if change is not None:
         change(ckpt, cache)
-    rec = _record(ckpt, cache, digest)
     status.check_disk([rec])
     d = rec.disk
     assert d is not None
@@ -122,11 +169,40 @@ def test_disk_check(tmp_path: Path, row: str) -> None:
     line = status.disk_line(rec)
     if state == "stale":
         assert line.startswith(f"stale: {ckpt}") and "engines on it will miss; run: " in line, line
-        assert "stop this one (kill 4241)" in d.fix and "as this one was: preload-gate preload" in d.fix
-        if cause != "promoted_again":
-            assert d.fix.startswith(f"preload-gate promote {ckpt} --cache-dir {cache}"), d.fix
+        if cause == "config":
+            _check_config_row(rec, ckpt, digest, words)
+        else:
+            assert "stop this one (kill 4241)" in d.fix and "as this one was: preload-gate preload" in d.fix
+        promote = f"preload-gate promote {ckpt} --cache-dir {cache}"
+        if row == "config.json removed":  # promote alone would leave the key's config_digest behind
+            assert d.fix.startswith(f"restore {ckpt / 'config.json'}") and f"then {promote}" in d.fix, d.fix
+        elif cause not in ("promoted_again", "config"):
+            assert d.fix.startswith(promote), d.fix
+        if row == "config.json replaced by rename":  # the same weights: promote prints the same digest
+            assert f"if it prints {digest[:16]}, stop this one (kill 4241) first, then start it again" in d.fix, d.fix
     elif state == "fresh":
         assert d.manifest_digest == digest and line.startswith(f"fresh: {ckpt} matches"), line
+
+
+def _check_config_row(rec: DaemonRecord, ckpt: Path, digest: str, words: str) -> None:
+    """A config.json row: the line as the task names it, the fix, and the key an engine (a raw consumer)
+    builds from the folder now differs from the daemon's in exactly the fields status names."""
+    d = rec.disk
+    assert d is not None
+    line = status.disk_line(rec)
+    assert line.startswith(f"stale: {ckpt} changed (config.json: "), line
+    assert "preload-gate promote" not in d.fix, d.fix  # the weights are the promoted ones: no re-promote
+    if (ckpt / "config.json").is_file() and "readable" not in words:
+        # Same content digest: the same socket dir and rank lock, so this one stops first.
+        assert d.fix.startswith("stop this one (kill 4241) first"), d.fix
+        assert "then start it again (as this one was: preload-gate preload" in d.fix, d.fix
+        named = [part.split()[0] for part in d.fields.split(", ")]
+        engine = raw_key(ckpt, digest, "shm")
+        assert engine.mismatched_fields(WeightCacheKey.from_json(rec.key)) == named, (named, d.fields)
+        old, new = rec.key["config_digest"], engine.config_digest  # type: ignore[index]
+        assert f"config_digest {old[:16]} -> {new[:16]}" in d.fields, d.fields
+    else:
+        assert d.fix.startswith(f"restore {ckpt / 'config.json'}"), d.fix
 
 
 def test_the_fields_a_stale_line_names(tmp_path: Path) -> None:
@@ -274,4 +350,64 @@ def test_status_on_a_live_daemon_before_and_after_its_folder_changes(tmp_path: P
         assert f"stale: {real} was promoted again as " in after.stdout, after.stdout
     finally:
         d.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_status_on_a_live_daemon_whose_config_json_is_edited_in_place(tmp_path: Path) -> None:
+    """config.json is no shard: an edit in place (same size) moves no stat the
+    manifest holds, yet every engine on the folder then misses on
+    config_digest. ``status`` says so, naming config.json (control: the
+    untouched folder is fresh), the key a raw consumer builds from the folder
+    differs in that field, and the printed fix (stop, start as it was; no
+    promote) makes the folder fresh again."""
+    import shlex
+
+    from preload.daemon.ready import READY, start_preload, stop_daemon, wait_ready
+
+    ckpt = fresh_checkpoint(tmp_path / "m", seed=5)
+    root, cache = short_dir("pg-sc-"), tmp_path / "cache"
+    env = {**os.environ, "PRELOAD_GATE_CACHE": str(cache), "PYTHONPATH": repo_pythonpath()}
+    env.pop("PRELOAD_GATE_SOCKET_ROOT", None)
+    digest = promote(ckpt, socket_root=root, cache_dir=cache, progress=False).digest
+    d = Daemon(ckpt, root, cache).start()
+    again = None
+
+    def report() -> DaemonRecord:
+        out = _cli(env, "status", "--socket-root", str(root), "--json")
+        assert out.returncode == 0, out.stderr
+        (rec,) = msgspec.json.decode(out.stdout, type=StatusReport).ranks
+        assert rec.disk is not None
+        return rec
+
+    try:
+        before = report()
+        assert before.disk is not None and before.disk.state == "fresh", before.disk  # the control
+        _edit_config(ckpt, cache)
+        rec = report()
+        assert rec.disk is not None and (rec.disk.state, rec.disk.cause, rec.disk.shard) == (
+            "stale", "config", "config.json"), rec.disk
+        engine = raw_key(ckpt, digest, "shm")  # what a raw consumer on the folder keys now
+        daemon = WeightCacheKey.from_json(rec.key)
+        assert engine.mismatched_fields(daemon) == ["config_digest"]
+        assert rec.disk.fields == (f"config_digest {daemon.config_digest[:16]} -> "  # type: ignore[index]
+                                   f"{engine.config_digest[:16]}")  # type: ignore[index]
+        line = _cli(env, "status", "--socket-root", str(root)).stdout
+        assert (f"stale: {os.path.realpath(ckpt)} changed (config.json: {rec.disk.fields}); engines on it will "
+                f"miss; run: stop this one (kill {d.proc.pid}) first, then start it again (as this one was: "  # type: ignore[union-attr]
+                f"{rec.command})") in line, line
+
+        # The fix as printed: stop, then the command (no promote); the folder is fresh again.
+        d.stop()
+        assert rec.command is not None
+        argv = shlex.split(rec.command)
+        assert argv[:2] == ["preload-gate", "preload"]
+        again = start_preload(argv[2:], env=env, cwd=tmp_path, stderr=subprocess.DEVNULL)
+        wait_ready(again, READY, 120)
+        after = report()
+        assert after.disk is not None and after.disk.state == "fresh", after.disk
+        assert WeightCacheKey.from_json(after.key).config_digest == engine.config_digest
+    finally:
+        d.stop()
+        if again is not None:
+            stop_daemon(again, 30)
         shutil.rmtree(root, ignore_errors=True)
