@@ -20,13 +20,15 @@ a line in the record and, to show it, one in :func:`render`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import functools
 import os
 import shlex
 import stat
 import time
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, NoReturn
 
 import msgspec
 
@@ -85,6 +87,8 @@ class DaemonRecord(msgspec.Struct, kw_only=True):
     cache_dir: str | None = None
     launcher_pid: int | None = None
     command: str | None = None
+    # The command's port flags this daemon still holds: its fix stops it first.
+    ports_held: list[str] = msgspec.field(default_factory=list)
     # Engines: watching now, attaches confirmed / failed / in progress, misses by reason.
     attached: int = 0
     hits: int = 0
@@ -191,7 +195,7 @@ def scan(root: str | os.PathLike[str] | None) -> list[DaemonRecord]:
             if answer is not None:
                 record = msgspec.convert({**answer, "socket": str(sock), "socket_root": str(base), "serving": True},
                                          DaemonRecord)
-                record.command = _launcher_command(record)
+                record.command, record.ports_held = _launcher_command(record)
                 found.append(record)
                 continue
             # Stale only when nothing answers AND no live process holds the lock.
@@ -213,30 +217,127 @@ def _not_a_socket(path: Path) -> str | None:
     return "a symlink" if stat.S_ISLNK(mode) else "a regular file" if stat.S_ISREG(mode) else "a non-socket file"
 
 
-def _launcher_command(r: DaemonRecord) -> str | None:
-    """How the daemon was started (its launcher's command line from the verb
-    on, with the socket root and cache dir it ran with where the command line
-    does not name them: they may have come from its environment), so a fix
-    can say "start one as this one was"; None if its launcher cannot be read."""
+def _launcher_command(r: DaemonRecord) -> tuple[str | None, list[str]]:
+    """How to start a daemon as ``r`` was, and the port flags of that command
+    ``r`` still holds (``["--health-port 9100"]``: a new daemon would refuse
+    them while ``r`` runs, so its fix stops ``r`` first).
+
+    The launcher's argv is reparsed with the ``preload`` verb's own parser
+    and written back from what it parsed (:func:`_preload_argv`), so every
+    path is absolute, against the launcher's cwd: the command is run from
+    another shell. The socket root and cache dir it ran with are added where
+    the command line does not name them (they may have come from its
+    environment). (None, []) if its launcher cannot be read or parsed."""
     import psutil
 
     from preload.identity.manifest import default_cache_dir
     from preload.sockets import SOCKET_ROOT_ENV, default_socket_root
 
     if r.launcher_pid is None or r.launcher_pid <= 1:
-        return None
+        return None, []
     try:
-        argv = psutil.Process(r.launcher_pid).cmdline()
+        proc = psutil.Process(r.launcher_pid)
+        argv = proc.cmdline()
     except (psutil.Error, OSError):
-        return None
+        return None, []
     if "preload" not in argv[1:]:
+        return None, []
+    try:
+        cwd: str | None = proc.cwd()
+    except (psutil.Error, OSError):
+        cwd = None
+    parsed = _reparse(argv[argv.index("preload", 1) + 1:], cwd)
+    if parsed is None:
+        return None, []
+    parser, args = parsed
+    if cwd is None:  # relative paths were made absolute against our cwd: take what the daemon runs with
+        if not os.path.isabs(args.checkpoint):
+            args.checkpoint = r.checkpoint
+        args.socket_root = r.socket_root if args.socket_root else None
+        args.cache_dir = r.cache_dir if args.cache_dir else None
+    if args.socket_root is None and (SOCKET_ROOT_ENV in os.environ or Path(r.socket_root) != default_socket_root()):
+        args.socket_root = r.socket_root
+    if args.cache_dir is None and r.cache_dir and Path(r.cache_dir) != default_cache_dir(env=False):
+        args.cache_dir = r.cache_dir
+    held = [f"{flag} {port}" for flag, port in (("--health-port", args.health_port),
+                                                 ("--master-port", args.master_port))
+            if port and _listening(proc, port)]
+    return "preload-gate preload " + shlex.join(_preload_argv(parser, args)), held
+
+
+# Flags of the launcher not repeated: a dry run never serves, and --take-over
+# is what it did to its predecessor (the next daemon starts on its own).
+_NOT_REPEATED = frozenset({"dry_run", "json", "take_over", "help"})
+
+
+def _reparse(argv: list[str], cwd: str | None) -> tuple[argparse.ArgumentParser, argparse.Namespace] | None:
+    """``argv`` (after the verb) parsed by the ``preload`` verb's parser
+    (:func:`preload.daemon.cli.register`), its path flags resolved against
+    ``cwd`` (the launcher's) rather than ours; None where it refuses them
+    (a launcher of another release): no usage text, no exit."""
+    from preload.daemon import cli
+
+    verbs = argparse.ArgumentParser(add_help=False).add_subparsers()
+    cli.register(verbs)
+    parser: argparse.ArgumentParser = verbs.choices["preload"]  # type: ignore[index]
+
+    def refuse(message: str) -> NoReturn:
+        raise ValueError(message)
+
+    parser.error = refuse  # type: ignore[method-assign]
+    for action in parser._actions:
+        if cwd is not None and action.dest in ("socket_root", "cache_dir") and callable(action.type):
+            action.type = functools.partial(_in_dir, cwd, action.type)
+    try:
+        args = parser.parse_args(argv)
+    except (ValueError, SystemExit):
         return None
-    argv = argv[argv.index("preload", 1):]
-    if "--socket-root" not in argv and (SOCKET_ROOT_ENV in os.environ or Path(r.socket_root) != default_socket_root()):
-        argv += ["--socket-root", r.socket_root]
-    if "--cache-dir" not in argv and r.cache_dir and Path(r.cache_dir) != default_cache_dir(env=False):
-        argv += ["--cache-dir", r.cache_dir]
-    return "preload-gate " + shlex.join(argv)
+    if cwd is not None:
+        args.checkpoint = os.path.normpath(os.path.join(cwd, args.checkpoint))
+    return parser, args
+
+
+def _in_dir(cwd: str, convert: Any, value: str) -> Any:
+    return convert(os.path.join(cwd, value) if value else value)
+
+
+def _preload_argv(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """``args`` as the argv that parses to them: the positional, then each
+    flag not at its default, by its long name, in the parser's order."""
+    out: list[str] = []
+    for action in parser._actions:
+        if action.dest in _NOT_REPEATED:
+            continue
+        value = getattr(args, action.dest)
+        if not action.option_strings:
+            out.append(str(value))
+        elif value != action.default:
+            flag = max(action.option_strings, key=len)
+            out += [flag] if action.nargs == 0 else [flag, str(value)]
+    return out
+
+
+def _listening(proc: Any, port: int) -> bool:
+    """Whether the launcher or a process below it (its ranks) listens on
+    ``port``; True where psutil may not look (the cautious fix: stop first)."""
+    import psutil
+
+    try:
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True
+    for p in procs:
+        try:
+            conns = p.net_connections(kind="inet")
+        except psutil.NoSuchProcess:
+            continue
+        except psutil.Error:
+            return True
+        if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns):
+            return True
+    return False
 
 
 def check_disk(records: list[DaemonRecord]) -> None:
@@ -402,6 +503,9 @@ def _fixes(r: DaemonRecord) -> _Fixes:
     start = f"as this one was: {r.command}" if r.command else "with this one's settings"
     stop = f"stop this one (kill {r.launcher_pid})" if r.launcher_pid else "stop this one"
     start_new = f"start a daemon for it ({start}) and {stop}"
+    if r.ports_held:  # the new daemon would refuse a port this one holds
+        start_new = (f"{stop} first (it holds {', '.join(r.ports_held)}, which the new daemon binds), then start "
+                     f"a daemon for it ({start})")
     promote = (f"{promote_command(str(r.checkpoint), r.cache_dir)}; if it prints a digest other than "
                f"{short_digest(str(r.digest))}, {start_new}")
     # The same digest: the new daemon needs this one's socket dir and rank lock.

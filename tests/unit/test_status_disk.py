@@ -325,7 +325,7 @@ def test_status_on_a_live_daemon_before_and_after_its_folder_changes(tmp_path: P
         want = (f"stale: {real} changed ({first}: mtime_ns, ctime_ns); engines on it will miss; "
                 f"run: preload-gate promote {real} --cache-dir {cache}; if it prints a digest other than "
                 f"{d.ready['digest'][:16]}, start a daemon for it (as this one was: preload-gate preload {ckpt} "
-                f"--socket-root {root} --stage raw")
+                f"--socket-root {root} --cache-dir {cache} --stage raw)")  # its cache came from its environment
         assert want in stale.stdout, stale.stdout
         assert f"and stop this one (kill {d.proc.pid})" in stale.stdout  # type: ignore[union-attr]
         # What an engine's stat check says, the same reason (the dry run runs it).
