@@ -167,7 +167,9 @@ class RankServer:
             os.umask(old)
         os.chmod(self.path, 0o600)
         self._sock_inode = inode_of(self.path)
-        listener.listen(64)
+        # Room in the backlog for as many engines as it serves at once: past
+        # it, a timed connect gets EAGAIN and waits out its retries (client._connect).
+        listener.listen(MAX_CONNECTIONS)
         listener.settimeout(0.2)
         previous, self._listener = self._listener, listener
         self._thread = threading.Thread(target=self._accept_loop, name=f"rank{self.global_rank}-accept", daemon=True)
