@@ -49,6 +49,12 @@ class WeightCacheUnavailableError(PreloadGateError):
     """No daemon is reachable, or its socket cannot be trusted."""
 
 
+class DaemonBusyError(WeightCacheUnavailableError):
+    """A daemon listens but its listen backlog stayed full for the whole
+    connect timeout: it is alive and busy, not absent (starting another is
+    no fix; retrying, or fewer engines connecting at once, is)."""
+
+
 class CacheKeyMismatchError(PreloadGateError):
     """The daemon holds weights for another key; ``fields`` names the differences."""
 

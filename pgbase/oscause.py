@@ -43,6 +43,11 @@ READ_ONLY = "read_only"
 IO = "io"
 OTHER = "other"
 KINDS = (OPEN_FILES, SYSTEM_FILES, MEMORY, PERMISSION, MISSING, NOT_A_FILE, NO_SPACE, READ_ONLY, IO, OTHER)
+# A connect to an AF_UNIX socket (:func:`connect_cause`): the same errno means
+# something else there (EAGAIN is a full listen backlog, not a busy read).
+NO_LISTENER = "no_listener"
+BUSY = "busy"
+CONNECT_KINDS = (NO_LISTENER, MISSING, BUSY, PERMISSION, OTHER)
 
 # Rust's std::io::Error Display: "<message> (os error <errno>)".
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
@@ -104,6 +109,39 @@ def reason(exc: BaseException, path: str | os.PathLike[str] | None = None) -> st
     if cause.errno is not None or isinstance(exc, (OSError, MemoryError)):
         return cause.text
     return f"{type(exc).__name__}: {_said(exc)}"
+
+
+def connect_cause(exc: BaseException, path: str | os.PathLike[str]) -> Cause:
+    """The real cause of a failed ``connect`` to the AF_UNIX socket ``path``.
+
+    Only ECONNREFUSED (a socket file with nothing listening behind it: its
+    process is gone) and ENOENT mean that no one is there. A socket with a
+    timeout connects non-blocking, and on Linux a non-blocking AF_UNIX
+    connect to a listener whose backlog is full fails at once with EAGAIN
+    (``net/unix/af_unix.c``: ``unix_wait_for_peer`` only when blocking): the
+    listener is alive and has not accepted its earlier callers yet. A socket
+    connects only with write permission on it (EACCES).
+
+    >>> connect_cause(ConnectionRefusedError(111, "Connection refused"), "/run/x.sock").kind
+    'no_listener'
+    """
+    code = _errno_of(exc)
+    if code in (errno.EAGAIN, errno.EWOULDBLOCK):
+        return Cause(BUSY, code, "its listen backlog is full: the process listening is alive but busy, it has not yet "
+                     "accepted the connections before this one")
+    if isinstance(exc, TimeoutError) or code == errno.ETIMEDOUT:
+        return Cause(BUSY, code, "the process listening did not accept the connection in time (alive but busy)")
+    if code == errno.ECONNREFUSED:
+        return Cause(NO_LISTENER, code, "nothing listens on it (the socket file is left from a process that "
+                     "stopped)")
+    if code in (errno.ENOENT, errno.ENOTDIR):
+        return Cause(MISSING, code, _missing_text(path))
+    if code in (errno.EACCES, errno.EPERM):
+        if _unsearchable(Path(path)) is not None:
+            return Cause(PERMISSION, code, _permission_text(path, os.strerror(code)))
+        return Cause(PERMISSION, code, f"{os.strerror(code)}: this process (uid {os.geteuid()}) has no write "
+                     f"permission on {path} ({_owner_mode(Path(path))}), which a connect needs; run as its owner")
+    return Cause(OTHER, code, os.strerror(code) if code is not None else _said(exc))
 
 
 def _errno_of(exc: BaseException) -> int | None:
@@ -173,12 +211,19 @@ def _permission_text(path: str | os.PathLike[str] | None, said: str) -> str:
     if path is None:
         return said
     p = Path(path)
-    # The first directory on the way that cannot be searched, else the file itself.
+    d = _unsearchable(p)
+    if d is not None:
+        return f"{said}: this process (uid {os.geteuid()}) cannot enter {d} ({_owner_mode(d)})"
+    return f"{said}: this process (uid {os.geteuid()}) cannot open {p} ({_owner_mode(p)})"
+
+
+def _unsearchable(p: Path) -> Path | None:
+    """The first directory on the way to ``p`` this process cannot search."""
     effective = os.access in os.supports_effective_ids  # as the kernel checks: by the effective uid
     for d in reversed(p.parents):
         if os.path.isdir(d) and not os.access(d, os.X_OK, effective_ids=effective):
-            return f"{said}: this process (uid {os.geteuid()}) cannot enter {d} ({_owner_mode(d)})"
-    return f"{said}: this process (uid {os.geteuid()}) cannot open {p} ({_owner_mode(p)})"
+            return d
+    return None
 
 
 def _owner_mode(p: Path) -> str:

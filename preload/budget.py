@@ -66,6 +66,10 @@ ARENA_FILES = 1
 MAPPING_FILES = 1
 # A rank's own: the lock file and the listening socket.
 RANK_FILES = 2
+# Engine connections one rank serves at once (more are turned away); its budget
+# is :func:`rank_open_files` of it. Here, not in the server, so that what sizes
+# itself to it (``bench --param clients``) need not import the daemon.
+MAX_CONNECTIONS = 256
 
 
 def connection_files(arena_fds: int = ARENA_FILES) -> int:

@@ -12,14 +12,20 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pgbase.digest_text import parse_digest
-from pgbase.errors import CacheKeyMismatchError, ProtocolError, WeightCacheUnavailableError
-from pgbase.oscause import describe
+from pgbase.errors import (
+    CacheKeyMismatchError,
+    DaemonBusyError,
+    ProtocolError,
+    WeightCacheUnavailableError,
+)
+from pgbase.oscause import BUSY, MISSING, NO_LISTENER, connect_cause, describe
 from preload import protocol
 from preload.identity.key import WeightCacheKey
 from preload.sockets import socket_path, verify_socket
@@ -62,6 +68,46 @@ class State:
         self.fds = []
 
 
+# Between connects to a daemon whose listen backlog is full: short, as the
+# backlog drains as fast as the daemon accepts (one accept loop per rank).
+_BUSY_RETRY_S = (0.005, 0.05)
+
+
+def _connect(path: Path, timeout_s: float) -> socket.socket:
+    """A socket connected to ``path``, each failure worded by its cause
+    (:func:`pgbase.oscause.connect_cause`): nothing listening is "no daemon
+    answers"; a full listen backlog (EAGAIN: a timed socket connects
+    non-blocking, and Linux does not wait for an AF_UNIX backlog then) is
+    retried until ``timeout_s``, as a blocking connect would wait, then
+    :class:`DaemonBusyError`."""
+    end = time.monotonic() + timeout_s
+    pause = _BUSY_RETRY_S[0]
+    while True:
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:  # the engine at its open-file limit: say so, not "no daemon"
+            raise WeightCacheUnavailableError(f"cannot connect to the daemon at {path}: {describe(exc)}") from exc
+        sock.settimeout(max(end - time.monotonic(), 0.001))
+        try:
+            sock.connect(str(path))
+            sock.settimeout(timeout_s)
+            return sock
+        except OSError as exc:
+            sock.close()
+            cause = connect_cause(exc, path)
+            if cause.kind != BUSY:
+                raise WeightCacheUnavailableError(f"no daemon answers at {path}: {cause.text}" if cause.kind in
+                                                  (NO_LISTENER, MISSING) else
+                                                  f"cannot connect to the daemon at {path}: {cause.text}") from exc
+            left = end - time.monotonic()
+            if left <= 0:
+                raise DaemonBusyError(f"the daemon at {path} is busy: {cause.text}; connects retried for "
+                                      f"{timeout_s:g} s; retry, connect fewer engines at once, or allow a "
+                                      "longer connect timeout") from exc
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _BUSY_RETRY_S[1])
+
+
 @dataclass
 class DaemonClient:
     """One connection to one rank's daemon.
@@ -86,16 +132,7 @@ class DaemonClient:
     ) -> DaemonClient:
         path = socket_path(directory, global_rank)
         verify_socket(path)
-        try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        except OSError as exc:  # the engine at its open-file limit: say so, not "no daemon"
-            raise WeightCacheUnavailableError(f"cannot connect to the daemon at {path}: {describe(exc)}") from exc
-        sock.settimeout(timeout_s)
-        try:
-            sock.connect(str(path))
-        except OSError as exc:
-            sock.close()
-            raise WeightCacheUnavailableError(f"no daemon answers at {path}: {describe(exc)}") from exc
+        sock = _connect(path, timeout_s)
         c = cls(sock, path, deadline_s)
         try:
             c.hello = c.request(protocol.hello_request(client, os.getpid()))

@@ -182,7 +182,7 @@ def check_cache_dir(cache_dir: str | os.PathLike[str] | None, checkpoint: str | 
     """The cache dir is trusted (:func:`check_cache_root`), the manifest
     directory can be written (or created) and, where it or the checkpoint's
     manifest exists, is trusted."""
-    from preload.identity.manifest import default_cache_dir, manifest_path
+    from preload.identity.manifest import cache_unwritable, default_cache_dir, manifest_path
 
     check_cache_root(cache_dir)
     base = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -199,24 +199,10 @@ def check_cache_dir(cache_dir: str | os.PathLike[str] | None, checkpoint: str | 
         raise PreflightError(str(exc)) from exc
     if not write:
         return
-    probe = mdir
-    while not os.path.lexists(probe) and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise PreflightError(f"the manifest cache {mdir} cannot be created: {probe} is not a directory; "
-                             f"set --cache-dir or PRELOAD_GATE_CACHE to a writable directory")
-    # Read-only first: access(2) says EROFS as "not writable", and the mount is what to name.
-    try:
-        st = os.statvfs(probe)
-    except OSError:
-        st = None
-    if st is not None and st.f_flag & os.ST_RDONLY:
-        raise PreflightError(f"the manifest cache {mdir} is on a read-only filesystem; set --cache-dir "
-                             f"or PRELOAD_GATE_CACHE to a writable directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        where = "" if probe == mdir else f" (its nearest existing parent {probe})"
-        raise PreflightError(f"the manifest cache {mdir}{where} is not writable; set --cache-dir "
-                             f"or PRELOAD_GATE_CACHE to a writable directory")
+    unwritable = cache_unwritable(base)
+    if unwritable is not None:
+        raise PreflightError(f"the manifest cache {mdir} {unwritable}; set --cache-dir or PRELOAD_GATE_CACHE to a "
+                             "writable directory")
     # The checks above answer for an ordinary user; root passes os.access
     # everywhere (even under /proc), so the directory is made here, 0700, as
     # the write would make it: a cache that cannot exist fails before hashing.

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 @bench_row("gate_selftest", "gate self-test on the tiny fixture: cold vs auto cache warm",
            heavy="the full self-test twice: dozens of vLLM engine runs, up to 30 min on 2 cores",
            params=(P.Param("mutations", P.MUTATIONS, "all"),
-                   P.Param("jobs", P.integer(1), 1)))
+                   P.Param("jobs", P.integer(1, 64, "engines at once"), 1)))
 def gate_selftest(options: BenchOptions) -> list[BenchResult]:
     from fixtures.tiny import write_tiny
     from harness.gate import GateOptions, run_gate

@@ -42,8 +42,8 @@ _DEFAULT_TENSORS = 320
 
 
 # The GPU rows' parameters (gpu_attach, gpu_checksum, gpu_daemon_attach).
-GPU_PARAMS = (P.Param("tensors", P.integer(1), _DEFAULT_TENSORS),
-              P.Param("reps", P.integer(1), 7))
+GPU_PARAMS = (P.Param("tensors", P.integer(1, 100_000), _DEFAULT_TENSORS),
+              P.Param("reps", P.integer(1, 1000), 7))
 
 
 def gpu_params(options: BenchOptions) -> tuple[int, int]:

@@ -52,9 +52,9 @@ def _warm(paths: list[Path]) -> None:
 
 @bench_row("promote_throughput", "promotion hashing vs sequential sha256sum (page cache warm)",
            heavy="writes and hashes --size bytes (2 GiB by default) three times",
-           params=(P.Param("hash_shards", P.integer(1), 8),
-                   P.Param("repeats", P.integer(1), 3),
-                   P.Param("workers", P.integer(0, unit="0: as many as promote uses"), 0)))
+           params=(P.Param("hash_shards", P.integer(1, 10_000), 8),
+                   P.Param("repeats", P.integer(1, 100), 3),
+                   P.Param("workers", P.integer(0, 1024, "0: as many as promote uses"), 0)))
 def promote_throughput(options: BenchOptions) -> list[BenchResult]:
     size = options.size_bytes
     shards = options.value("hash_shards")

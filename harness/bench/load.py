@@ -28,6 +28,7 @@ from typing import Any
 
 from harness.bench import BenchOptions, BenchResult, Figure, bench_row, scratch
 from harness.bench import params as P
+from preload.budget import MAX_CONNECTIONS
 
 
 @dataclass
@@ -129,10 +130,11 @@ def load_many(checkpoint: Path, clients: int) -> list[ClientResult]:
 
 
 @bench_row("attach_load", "N engines attaching to one daemon at once (CPU shm)",
-           params=(P.Param("clients", P.integer(1), 32),
-                   P.Param("rounds", P.integer(1), 3),
-                   P.Param("load_mb", P.number(0, above=True, unit="MiB of weights"), 32.0),
-                   P.Param("load_shards", P.integer(1), 4)))
+           # clients: at most as many engines as one daemon serves at once (more are turned away).
+           params=(P.Param("clients", P.integer(1, MAX_CONNECTIONS, "engines at once"), 32),
+                   P.Param("rounds", P.integer(1, 100), 3),
+                   P.Param("load_mb", P.number(0.001, 65_536, "MiB of weights"), 32.0),
+                   P.Param("load_shards", P.integer(1, 10_000), 4)))
 def attach_load(options: BenchOptions) -> list[BenchResult]:
     from harness.bench.synthetic import write_synthetic
     from harness.daemon_process import DaemonProcess

@@ -4,9 +4,11 @@ Every row declares the parameters it reads (:class:`Param`: a name, a
 :class:`Kind`, a default), and every ``--param`` is checked against the rows
 asked for before any of them runs. The kind is the one declaration of a
 parameter's type and range: it parses the text, says in words what is
-allowed ("an integer >= 1"), and names texts on either side of each bound,
-which the registry's table test (``tests/unit/test_bench_params.py``) tries
-on every parameter of every row. Refused, each in one line naming the row,
+allowed ("an integer from 1 to 256"), holds its bounds (every numeric kind
+has both: a count with no upper bound reaches the row as a MemoryError) and
+names texts on either side of each bound; the registry's table test
+(``tests/unit/test_bench_params.py``) tries the values just past and at
+each bound of every parameter of every row. Refused, each in one line naming the row,
 the key and what is allowed (exit 2):
 
 - a key none of the rows asked for takes (:func:`check_known`);
@@ -19,11 +21,11 @@ A row reads its values parsed, through ``options.value(name)``, never the
 raw text: a row cannot read what it did not declare, and a typo is never
 silently a default.
 
->>> shards = Param("shards", integer(1), 66)
+>>> shards = Param("shards", integer(1, 100_000), 66)
 >>> resolve("restart_identity", [shards], {"shards": "5"})
 {'shards': 5}
 >>> shards.describe()
-'shards: an integer >= 1 (default 66)'
+'shards: an integer from 1 to 100000 (default 66)'
 """
 
 from __future__ import annotations
@@ -45,39 +47,48 @@ class Kind:
     """A parameter's type and range. ``parse`` turns the text into the value
     or raises ``argparse.ArgumentTypeError`` with the reason; ``allowed`` says
     the same rule in words; ``refused`` are texts just past each bound (and an
-    ill-typed one), ``accepted`` texts at each bound."""
+    ill-typed one), ``accepted`` texts at each bound. ``bounds``: a numeric
+    kind's inclusive range ``(lo, hi)``, both finite (None: no number)."""
 
     parse: Callable[[str], Any]
     allowed: str
     refused: tuple[str, ...]
     accepted: tuple[str, ...]
+    bounds: tuple[float, float] | None = None
 
 
 def _fmt(x: float) -> str:
     return f"{x:g}"
 
 
-def integer(lo: int, hi: int | None = None, unit: str = "") -> Kind:
-    """An integer in ``[lo, hi]`` (``hi`` None: no upper bound)."""
-    allowed = f"an integer >= {lo}" if hi is None else f"an integer from {lo} to {hi}"
-    allowed += f" ({unit})" if unit else ""
+def _past(x: float, way: float) -> str:
+    """The float next to ``x`` towards ``way``, as a text that parses back to it."""
+    return repr(math.nextafter(x, way))
+
+
+def integer(lo: int, hi: int, unit: str = "") -> Kind:
+    """An integer in ``[lo, hi]``. Both bounds are required: a count with no
+    upper one reaches the row (``clients=10**9`` is a MemoryError there)."""
+    allowed = f"an integer from {lo} to {hi}" + (f" ({unit})" if unit else "")
 
     def parse(text: str) -> int:
         try:
             n = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if n < lo or (hi is not None and n > hi):
+        if not lo <= n <= hi:
             raise argparse.ArgumentTypeError(f"{n} is out of range")
         return n
 
-    refused = ("x", "1.5", str(lo - 1), *(() if hi is None else (str(hi + 1),)))
-    return Kind(parse, allowed, refused, (str(lo), *(() if hi is None else (str(hi),))))
+    return Kind(parse, allowed, ("x", "1.5", str(lo - 1), str(hi + 1)), (str(lo), str(hi)), (lo, hi))
 
 
-def number(lo: float, *, above: bool = False, unit: str = "") -> Kind:
-    """A finite number >= ``lo`` (``above``: > ``lo``)."""
-    allowed = f"a number {'>' if above else '>='} {_fmt(lo)}" + (f" ({unit})" if unit else "")
+def number(lo: float, hi: float, unit: str = "") -> Kind:
+    """A finite number in ``[lo, hi]``. A quantity that must be more than
+    nothing gives the least that still means something as ``lo``, not 0
+    exclusive (``load_mb=1e-300`` is > 0 and a checkpoint of nothing)."""
+    lo, hi = float(lo), float(hi)
+    allowed = f"a number from {_fmt(lo)} to {_fmt(hi)}" + (f" ({unit})" if unit else "")
 
     def parse(text: str) -> float:
         try:
@@ -86,25 +97,29 @@ def number(lo: float, *, above: bool = False, unit: str = "") -> Kind:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         if not math.isfinite(x):
             raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-        if x < lo or (above and x == lo):
-            raise argparse.ArgumentTypeError(f"{_fmt(x)} is out of range")
+        if not lo <= x <= hi:
+            raise argparse.ArgumentTypeError(f"{text} is out of range")
         return x
 
-    edge = _fmt(lo + 0.5) if above else _fmt(lo)
-    return Kind(parse, allowed, ("fast", "nan", "inf", _fmt(lo) if above else _fmt(lo - 1)), (edge, "2.5"))
+    refused = ("fast", "nan", "inf", "-inf", _past(lo, -math.inf), _past(hi, math.inf))
+    return Kind(parse, allowed, refused, (_fmt(lo), _fmt(hi)), (lo, hi))
 
 
-def integers(lo: int) -> Kind:
-    """A comma-separated, non-empty list of integers >= ``lo`` (``1000`` or ``6,4``)."""
-    one = integer(lo)
+def integers(lo: int, hi: int, most: int = 16) -> Kind:
+    """A comma-separated list of 1 to ``most`` integers in ``[lo, hi]`` (``1000`` or ``6,4``)."""
+    one = integer(lo, hi)
 
     def parse(text: str) -> tuple[int, ...]:
         parts = [p.strip() for p in text.split(",") if p.strip()]
         if not parts:
             raise argparse.ArgumentTypeError("no number given")
+        if len(parts) > most:
+            raise argparse.ArgumentTypeError(f"{len(parts)} numbers given, at most {most}")
         return tuple(one.parse(p) for p in parts)
 
-    return Kind(parse, f"comma-separated integers >= {lo}", (",", f"6,{lo - 1}", "6,x"), (str(lo), f"{lo},6"))
+    return Kind(parse, f"1 to {most} comma-separated integers from {lo} to {hi}",
+                (",", f"6,{lo - 1}", f"6,{hi + 1}", "6,x", ",".join([str(lo)] * (most + 1))),
+                (str(lo), f"{lo},{hi}", ",".join([str(hi)] * most)), (lo, hi))
 
 
 def choice(*names: str) -> Kind:
@@ -132,19 +147,30 @@ def subset(known: Sequence[str]) -> Kind:
                 (known[0], ",".join(known[:2])))
 
 
+# The largest size a row or ``bench --size`` takes: 1 TiB, more memory and
+# scratch disk than any host these rows run on has, so a typo (``2000G``)
+# is refused here and not in the middle of a write.
+SIZE_MAX = 1 << 40
+
+
 def _size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:i?b)?\s*", text.lower())
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
     if not m:
         raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 2G, 512M, 65536")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2)]
-    n = int(float(m.group(1)) * scale)
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)]
+    digits = m.group(1)
+    # Exact for a byte count (a float loses bytes past 2**53); a fraction goes through float.
+    n = int(digits) * scale if "." not in digits else int(float(digits) * scale)
     if n < 1:
         raise argparse.ArgumentTypeError(f"size {text!r} is less than one byte")
+    if n > SIZE_MAX:
+        raise argparse.ArgumentTypeError(f"size {text!r} is more than 1T")
     return n
 
 
-# ``2G``, ``512M``, ``64K`` (binary units, optional trailing B/iB) or a byte count >= 1.
-SIZE = Kind(_size, "a size >= 1 byte (e.g. 256M, 2G, 65536)", ("lots", "0", "-1M"), ("1", "64M", "1.5G"))
+# ``2G``, ``512M``, ``64K``, ``1T`` (binary units, optional trailing B/iB) or a byte count, 1 byte to 1 TiB.
+SIZE = Kind(_size, f"a size from 1 byte to 1T ({SIZE_MAX} bytes; e.g. 256M, 2G, 65536)", ("lots", "0", "-1M", str(SIZE_MAX + 1), "2T"),
+            ("1", "64M", "1.5G", "1T", str(SIZE_MAX)), (1, SIZE_MAX))
 
 
 def size(text: str) -> int:
@@ -277,5 +303,5 @@ def check_used(rows: Mapping[str, Sequence[Param]], skipped: Mapping[str, str], 
                                  "or change what leaves it out")
 
 
-__all__ = ["MODEL", "MUTATIONS", "SIZE", "Kind", "Param", "check_known", "check_used", "choice", "given",
+__all__ = ["MODEL", "MUTATIONS", "SIZE", "SIZE_MAX", "Kind", "Param", "check_known", "check_used", "choice", "given",
            "integer", "integers", "number", "resolve", "size", "subset"]

@@ -78,7 +78,7 @@ def _cli() -> list[str]:
 
 
 @bench_row("daemon_readopt", TITLE + " (CPU, sealed memfd)", heavy="two daemon starts on --size bytes",
-           params=(P.Param("tensors", P.integer(1), 160),))
+           params=(P.Param("tensors", P.integer(1, 100_000), 160),))
 def daemon_readopt(options: BenchOptions) -> list[BenchResult]:
     return _readopt(options, "daemon_readopt", "shm")
 

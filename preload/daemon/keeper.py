@@ -406,15 +406,10 @@ class Keeper:
 
 
 def _answers(path: Path) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(1.0)
-    try:
-        s.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
+    """A keeper listens on ``path`` (busy counts: the ranks' own rule)."""
+    from preload.daemon.lock import socket_answers
+
+    return socket_answers(path)
 
 
 def _lock(root: Path) -> int:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pgbase.errors import PreloadGateError
 from pgbase.lockfile import LockFileError, open_lock_file
+from pgbase.oscause import BUSY, connect_cause
 
 
 class RankBusyError(PreloadGateError):
@@ -37,16 +38,17 @@ def socket_answers(path: str | os.PathLike[str], timeout_s: float = 1.0) -> bool
     """True when a process accepts connections on the AF_UNIX socket ``path``.
 
     A socket file whose daemon died refuses connections (ECONNREFUSED); a
-    live daemon's listener accepts them, busy or not.
+    live daemon's listener accepts them, or, busy, has its listen backlog
+    full: a timed connect then fails at once with EAGAIN, and that daemon is
+    alive (:func:`pgbase.oscause.connect_cause`). Taken for stale, its
+    socket would be unlinked by a second daemon starting on the rank.
     """
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout_s)
         try:
             s.connect(os.fspath(path))
-        except TimeoutError:
-            return True  # a listener with a full backlog is still alive
-        except OSError:
-            return False
+        except OSError as exc:
+            return connect_cause(exc, path).kind == BUSY
         return True
 
 

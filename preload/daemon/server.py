@@ -23,7 +23,7 @@ from pgbase.errors import PreloadGateError, ProtocolError
 from pgbase.limits import nofile_fix, open_file_limit
 from pgbase.oscause import describe
 from preload import protocol
-from preload.budget import connection_files, open_file_room
+from preload.budget import MAX_CONNECTIONS, connection_files, open_file_room
 from preload.daemon.counters import RankStats, Session
 from preload.daemon.home import HomeWatch, inode_of, remove_if_empty, unlink_if
 from preload.daemon.lock import RankBusyError, RankLock, socket_answers
@@ -32,8 +32,6 @@ from preload.identity.key import WeightCacheKey
 from preload.sockets import ensure_private_dir, socket_path, verify_peer, verify_socket
 
 log = logging.getLogger("preload.daemon")
-
-MAX_CONNECTIONS = 256
 
 
 class RankServer:
@@ -169,7 +167,9 @@ class RankServer:
             os.umask(old)
         os.chmod(self.path, 0o600)
         self._sock_inode = inode_of(self.path)
-        listener.listen(64)
+        # Room in the backlog for as many engines as it serves at once: past
+        # it, a timed connect gets EAGAIN and waits out its retries (client._connect).
+        listener.listen(MAX_CONNECTIONS)
         listener.settimeout(0.2)
         previous, self._listener = self._listener, listener
         self._thread = threading.Thread(target=self._accept_loop, name=f"rank{self.global_rank}-accept", daemon=True)

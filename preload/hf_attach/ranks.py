@@ -13,7 +13,12 @@ from typing import Any
 
 import torch
 
-from pgbase.errors import CacheKeyMismatchError, ProtocolError, WeightCacheUnavailableError
+from pgbase.errors import (
+    CacheKeyMismatchError,
+    DaemonBusyError,
+    ProtocolError,
+    WeightCacheUnavailableError,
+)
 from preload.client import DaemonClient
 
 
@@ -78,6 +83,8 @@ def connect_rank(sdir: Path, global_rank: int, tp_rank: int, key: Any) -> Daemon
     naming the key fields a sibling daemon of the same digest differs on."""
     try:
         return DaemonClient.connect(sdir, global_rank, client="preload-gate-hf")
+    except DaemonBusyError as exc:  # alive and busy: no sibling's key says anything about it
+        raise RankMissError(tp_rank, [], str(exc)) from exc
     except WeightCacheUnavailableError as exc:
         others = [r for r in socket_ranks(sdir) if r != global_rank]
         fields: list[str] = []

@@ -158,11 +158,57 @@ def promote_command(checkpoint: object, cache_dir: str | os.PathLike[str] | None
                     verb: str = "promote") -> str:
     """The command that re-promotes ``checkpoint`` into the cache its engines read (``verb``: or runs
     another verb on it against that cache): absolute, quoted, with ``--cache-dir`` unless that cache is the
-    plain default (an operator's shell may not set PRELOAD_GATE_CACHE)."""
+    plain default (an operator's shell may not set PRELOAD_GATE_CACHE).
+
+    A promote writes: into a cache it cannot write (model stores and their
+    caches are often mounted read-only, :func:`cache_unwritable`) the command
+    would only fail, so it names a writable cache of this user's instead (the
+    default, or the one PRELOAD_GATE_CACHE names; else ``DIR``), says why, and
+    how the engines then read it.
+
+    >>> promote_command("/m/a b")  # doctest: +SKIP
+    "preload-gate promote '/m/a b'"
+    """
     cache = Path(cache_dir or default_cache_dir())
-    where = "" if cache == default_cache_dir(env=False) else f" --cache-dir {shlex.quote(os.path.abspath(cache))}"
     ckpt = shlex.quote(os.path.abspath(checkpoint)) if isinstance(checkpoint, str | Path) else "CKPT"
+    why = cache_unwritable(cache) if verb == "promote" else None
+    if why is not None:
+        other = next((c for c in (default_cache_dir(), default_cache_dir(env=False))
+                      if os.path.abspath(c) != os.path.abspath(cache) and cache_unwritable(c) is None), None)
+        to = shlex.quote(os.path.abspath(other)) if other is not None else "DIR"
+        mine = "" if other is not None else "; DIR: a writable directory of yours"
+        return (f"preload-gate {verb} {ckpt} --cache-dir {to} (the cache {os.path.abspath(cache)} {why}{mine}; "
+                f"engines read {'it' if other is None else 'the new one'} with PRELOAD_GATE_CACHE={to})")
+    where = "" if cache == default_cache_dir(env=False) else f" --cache-dir {shlex.quote(os.path.abspath(cache))}"
     return f"preload-gate {verb} {ckpt}{where}"
+
+
+def cache_unwritable(cache_dir: str | os.PathLike[str]) -> str | None:
+    """Why a manifest cannot be written into ``cache_dir`` (its ``manifests``
+    directory, or the nearest existing directory it would be made in), by
+    stat and access(2) alone, nothing written: the words follow
+    ``the cache DIR``. None: it can be, as far as these say (root passes
+    access(2) on any permission bits, never on a read-only mount).
+
+    The one rule for promote's preflight (:func:`preload.preflight.check_cache_dir`)
+    and for every promote command a message prints (:func:`promote_command`).
+    """
+    mdir = Path(cache_dir) / "manifests"
+    probe = mdir
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"cannot be created: {probe} is not a directory"
+    # Read-only first: access(2) says EROFS as "not writable", and the mount is what to name.
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        st = None
+    if st is not None and st.f_flag & os.ST_RDONLY:
+        return "is on a read-only filesystem"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return "is not writable" if probe == mdir else f"is not writable (its nearest existing parent {probe})"
+    return None
 
 
 def manifest_path(checkpoint: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None,
@@ -412,9 +458,13 @@ def _no_manifest(checkpoint: str | os.PathLike[str], cache: Path) -> str:
     where = f"in the cache {cache} ({chosen}; looked for {manifest_path(checkpoint, cache)})"
     for other in (default_cache_dir(), default_cache_dir(env=False)):
         if other != cache and os.path.lexists(manifest_path(checkpoint, other)):
-            return (f"no promotion manifest for {checkpoint} {where}, but the cache {other} holds one: use that "
-                    f"cache (PRELOAD_GATE_CACHE={shlex.quote(str(other))} for engines and verbs, or --cache-dir "
-                    f"for verbs), or promote into this one: run: {promote_command(checkpoint, cache)}")
+            use = (f"no promotion manifest for {checkpoint} {where}, but the cache {other} holds one: use that "
+                   f"cache (PRELOAD_GATE_CACHE={shlex.quote(str(other))} for engines and verbs, or --cache-dir "
+                   "for verbs)")
+            why = cache_unwritable(cache)
+            if why is not None:  # nothing can be promoted into this one
+                return f"{use}; this one {why}"
+            return f"{use}, or promote into this one: run: {promote_command(checkpoint, cache)}"
     return (f"no promotion manifest for {checkpoint} {where}; promoted into another cache? give that one as "
             f"PRELOAD_GATE_CACHE=DIR; else run: {promote_command(checkpoint, cache)}")
 

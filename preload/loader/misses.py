@@ -25,6 +25,7 @@ from pgbase.digest_text import short_digest
 from pgbase.errors import (
     CacheKeyMismatchError,
     CheckpointError,
+    DaemonBusyError,
     ManifestError,
     WeightCacheUnavailableError,
 )
@@ -38,7 +39,7 @@ log = logging.getLogger("preload.loader")
 # Every reason a miss (or error) event can carry, by the function that makes it.
 REASONS = (
     "stale_manifest", "untrusted_cache", "cannot_serve", "unresolved", "socket_path", "no_daemon", "other_root",
-    "daemon_unavailable", "key_mismatch", "bad_answer", "wrong_digest", "attach_failed",
+    "daemon_unavailable", "daemon_busy", "key_mismatch", "bad_answer", "wrong_digest", "attach_failed",
 )
 
 
@@ -204,7 +205,13 @@ def no_socket(opts: LoaderOptions, sdir: Path, global_rank: int, digest: str, ch
 
 
 def daemon_unavailable(exc: Exception, sdir: Path, rank: int, checkpoint: str) -> Miss:
-    """The rank's socket is there, but no daemon answers on it as it should."""
+    """The rank's socket is there, but no daemon answers on it as it should
+    (or one does, busy: its listen backlog stayed full for the connect timeout)."""
+    if isinstance(exc, DaemonBusyError):
+        extra = json.dumps({"connect_timeout_s": 30})
+        return Miss("miss", f"daemon busy: {exc}; it is alive: do not start another (its rank lock refuses a second); "
+                    f"raise connect_timeout_s in the loader extra config (--model-loader-extra-config '{extra}'), "
+                    "or start fewer engines at once", cause=exc, kind="daemon_busy")
     return Miss("miss", f"daemon unavailable: {exc}; preload-gate status says whether a daemon serves {sdir}; "
                 f"if none does, start one: {preload_command(checkpoint, sdir)}", cause=exc,
                 kind="daemon_unavailable")

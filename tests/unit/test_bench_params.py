@@ -4,7 +4,10 @@ The table is the registry itself: every parameter of every row, each text
 its kind names on either side of each bound (an ill-typed one, one past the
 range) and the kind's ``allowed`` line. A refused text is one line naming
 the row, the key, the value and what is allowed; an accepted one passes the
-same check (the neighbour). A new row or parameter is covered by being
+same check (the neighbour). Every numeric parameter declares both bounds
+(``Kind.bounds``), and the table derives from them, not from the kind's own
+samples, the value just outside each bound (refused) and the bound itself
+(accepted). A new row or parameter is covered by being
 declared. Unknown keys, keys given twice, and keys every running row would
 leave unused (its rows do not run here; the row's other values leave it
 out, one row per ``Param.unused``, with a check that every such parameter
@@ -14,6 +17,7 @@ first; the rows are never called).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -33,6 +37,47 @@ def _every_param() -> list[tuple[str, P.Param]]:
 PARAMS = _every_param()
 REFUSED = [(row, p, text) for row, p in PARAMS for text in p.kind.refused]
 ACCEPTED = [(row, p, text) for row, p in PARAMS for text in p.kind.accepted]
+
+
+def _numeric(value) -> bool:
+    items = value if isinstance(value, tuple) else (value,)
+    return bool(items) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items)
+
+
+def _unbounded(kind: P.Kind) -> str | None:
+    """Why a numeric ``kind`` is not bounded on both sides (None: it is, or
+    it is no number): a value past an absent bound reaches the row (clients=10**9
+    is a MemoryError in the row, load_mb=1e-300 a checkpoint of nothing)."""
+    if not _numeric(kind.parse(kind.accepted[0])):
+        return None
+    bounds = getattr(kind, "bounds", None)
+    if bounds is None:
+        return "declares no bounds"
+    lo, hi = bounds
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi):
+        return f"bounds {bounds} are not a finite range"
+    return None
+
+
+def _edges(kind: P.Kind) -> tuple[list[str], list[str]]:
+    """(just outside each bound, each bound) as texts, from ``kind.bounds``."""
+    bounds = getattr(kind, "bounds", None)
+    if bounds is None or not _numeric(kind.parse(kind.accepted[0])):
+        return [], []
+    lo, hi = bounds
+    if isinstance(lo, int) and isinstance(hi, int):
+        return [str(lo - 1), str(hi + 1)], [str(lo), str(hi)]
+    return [repr(math.nextafter(lo, -math.inf)), repr(math.nextafter(hi, math.inf))], [repr(lo), repr(hi)]
+
+
+BOUNDED = [(row, p) for row, p in PARAMS if _edges(p.kind)[0]]
+PAST = [(row, p, text) for row, p in BOUNDED for text in _edges(p.kind)[0]]
+AT = [(row, p, text) for row, p in BOUNDED for text in _edges(p.kind)[1]]
+# The values issue 25 reported (and their kin): each refused by its kind before the row starts.
+REPORTED = [("attach_load", "clients", "1000000000"), ("attach_load", "load_mb", "1e-300"),
+            ("attach_load", "load_mb", "nan"), ("attach_load", "load_mb", "inf"), ("attach_load", "load_mb", "-1"),
+            ("attach_load", "load_mb", "-inf"), ("restart_identity", "shard_mb", "1e-300"),
+            ("restart_identity", "trip_shards", "1000,1000000000"), ("daemon_peak_memory", "size", "1000000G")]
 
 
 @pytest.fixture(autouse=True)
@@ -66,6 +111,41 @@ def test_a_refused_value_is_one_line_naming_row_key_and_rule(tmp_path, row, para
 @pytest.mark.parametrize(("row", "param", "text"), ACCEPTED, ids=[f"{r}-{p.name}-{t!r}" for r, p, t in ACCEPTED])
 def test_an_accepted_value_passes_the_same_check(row, param, text):
     assert check_request(BenchOptions(params={param.name: text}), [row]) == [row]
+
+
+def test_every_numeric_parameter_declares_both_bounds():
+    numeric = [(row, p.name) for row, p in PARAMS if _numeric(p.kind.parse(p.kind.accepted[0]))]
+    assert len(numeric) >= 15
+    assert {(row, p.name) for row, p in BOUNDED} == set(numeric)
+    assert not [(row, p.name, why) for row, p in PARAMS if (why := _unbounded(p.kind))]
+
+
+@pytest.mark.parametrize(("row", "param", "text"), PAST, ids=[f"{r}-{p.name}-{t}" for r, p, t in PAST])
+def test_a_value_just_past_a_declared_bound_is_refused(tmp_path, row, param, text):
+    test_a_refused_value_is_one_line_naming_row_key_and_rule(tmp_path, row, param, text)
+    # The line names both bounds (an int as written, a float as %g writes it).
+    assert all((str(b) if isinstance(b, int) else f"{b:g}") in param.allowed for b in param.kind.bounds), param.allowed
+
+
+@pytest.mark.parametrize(("row", "param", "text"), AT, ids=[f"{r}-{p.name}-{t}" for r, p, t in AT])
+def test_a_value_at_a_declared_bound_is_accepted(row, param, text):
+    test_an_accepted_value_passes_the_same_check(row, param, text)
+
+
+@pytest.mark.parametrize(("row", "key", "text"), REPORTED, ids=[f"{r}-{k}-{t}" for r, k, t in REPORTED])
+def test_the_reported_values_are_refused(tmp_path, row, key, text):
+    param = next(p for p in load_rows()[row].params if p.name == key)
+    test_a_refused_value_is_one_line_naming_row_key_and_rule(tmp_path, row, param, text)
+
+
+def test_control_an_unbounded_numeric_kind_is_caught():
+    """The check above flags a numeric kind with no upper bound (the old
+    ``integer(1)``), and passes a bounded one and a kind that is no number."""
+    lax = P.Kind(int, "an integer >= 1", ("0",), ("1",))
+    assert _unbounded(lax) == "declares no bounds" and _edges(lax) == ([], [])
+    assert _unbounded(P.Kind(float, "a number", ("x",), ("1",), bounds=(0.0, math.inf))) is not None
+    assert _unbounded(P.integer(1, 9)) is None and _edges(P.integer(1, 9)) == (["0", "10"], ["1", "9"])
+    assert _unbounded(P.choice("a", "b")) is None
 
 
 # Each parameter a row may leave out (its Param.unused), and other values that leave it out.
@@ -158,7 +238,7 @@ def test_a_row_reads_parsed_values_and_defaults():
 
     seen = []
 
-    @bench_row("_probe_row", "probe", params=(P.Param("n", P.integer(1), 7),))
+    @bench_row("_probe_row", "probe", params=(P.Param("n", P.integer(1, 9), 7),))
     def probe(options: BenchOptions) -> list:
         seen.append(options.value("n"))
         return []
@@ -167,7 +247,7 @@ def test_a_row_reads_parsed_values_and_defaults():
         probe(BenchOptions(params={"n": "3"}))
         probe(BenchOptions())
         with pytest.raises(BenchError, match="^bench row _probe_row: --param n=0: 0 is out of range; allowed: an "
-                                             "integer >= 1$"):
+                                             "integer from 1 to 9$"):
             probe(BenchOptions(params={"n": "0"}))
     finally:
         ROWS.pop("_probe_row")

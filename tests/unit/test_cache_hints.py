@@ -109,3 +109,84 @@ def test_control_a_manifest_in_the_engines_cache_resolves(world: dict[str, Path]
     _promoted_manifests(world)
     digest = resolve(LoaderOptions.from_extra({}), str(world["ckpt"]), LoadEvent(outcome="error", reason=""))
     assert len(digest) == 64 and int(digest, 16) >= 0  # the digest, not a refusal
+
+
+def _ro_bind(path: Path) -> None:
+    """``path`` (with what it holds) made read-only where it is: a bind mount remounted ro."""
+    if os.getuid() != 0:
+        skip_privileged("a read-only bind mount needs root")
+    if subprocess.run(["mount", "--bind", str(path), str(path)], capture_output=True).returncode != 0:
+        skip_privileged("mount --bind is refused here")
+    if subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], capture_output=True).returncode != 0:
+        subprocess.run(["umount", str(path)], check=False)
+        skip_privileged("a read-only remount is refused here")
+
+
+def _stale(w: dict[str, Path]) -> None:
+    _promoted_manifests(w)
+    shard = next(w["ckpt"].glob("*.safetensors"))
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+
+
+# (name, what to break, whether the engine's cache is then read-only). The miss's
+# promote command: into the engine's cache while it is writable (as it always was);
+# into a writable one, named, with PRELOAD_GATE_CACHE for the engines, once it is not.
+PROMOTE_ROWS: list[tuple[str, Callable[[dict[str, Path]], None], bool]] = [
+    ("no manifest, read-only cache", lambda w: _read_only(w["env"]), True),
+    ("no manifest, writable cache (control)", lambda w: None, False),
+    ("stale manifest, read-only cache", lambda w: (_stale(w), _ro_bind(w["env"])), True),
+    ("stale manifest, writable cache (control)", _stale, False),
+]
+
+
+@pytest.mark.parametrize(("name", "breaks", "read_only"), PROMOTE_ROWS, ids=[r[0] for r in PROMOTE_ROWS])
+def test_the_promote_hint_names_a_writable_cache(world: dict[str, Path], name: str,
+                                                 breaks: Callable[[dict[str, Path]], None], read_only: bool) -> None:
+    try:
+        breaks(world)
+        line = _engine_line(world["ckpt"])
+    finally:
+        if os.path.ismount(world["env"]):
+            subprocess.run(["umount", str(world["env"])], check=False)
+    ckpt, env, default = world["ckpt"], world["env"], world["default"]
+    assert "\n" not in line
+    if not read_only:
+        assert line.endswith(f"run: preload-gate promote {ckpt} --cache-dir {env}"), line
+        assert "read-only" not in line
+        return
+    assert f"--cache-dir {env}" not in line, f"a promote into the read-only cache cannot work: {line}"
+    assert f"run: preload-gate promote {ckpt} --cache-dir {default} (the cache {env} is on a read-only " \
+           f"filesystem; engines read the new one with PRELOAD_GATE_CACHE={default})" in line, line
+
+
+def test_with_no_writable_cache_known_the_hint_says_dir(world: dict[str, Path]) -> None:
+    """The user's default cache read-only too: DIR, said to be a writable directory of theirs."""
+    from preload.identity.manifest import promote_command
+
+    _read_only(world["env"])
+    try:
+        _read_only(world["default"])
+        try:
+            cmd = promote_command(world["ckpt"], world["env"])
+        finally:
+            subprocess.run(["umount", str(world["default"])], check=False)
+    finally:
+        subprocess.run(["umount", str(world["env"])], check=False)
+    assert cmd == (f"preload-gate promote {world['ckpt']} --cache-dir DIR (the cache {world['env']} is on a "
+                   "read-only filesystem; DIR: a writable directory of yours; engines read it with "
+                   "PRELOAD_GATE_CACHE=DIR)"), cmd
+    # Control: a writable cache is named as it always was.
+    assert promote_command(world["ckpt"], world["tmp"]) == f"preload-gate promote {world['ckpt']} --cache-dir " \
+                                                          f"{world['tmp']}"
+
+
+def test_a_manifest_in_the_other_cache_with_this_one_read_only(world: dict[str, Path]) -> None:
+    """Use the other cache; no "promote into this one" for a cache that cannot be written."""
+    promote(world["ckpt"], socket_root=world["tmp"] / "sock", cache_dir=world["default"], progress=False)
+    _read_only(world["env"])
+    try:
+        line = _engine_line(world["ckpt"])
+    finally:
+        subprocess.run(["umount", str(world["env"])], check=False)
+    assert f"PRELOAD_GATE_CACHE={world['default']}" in line and "promote into this one" not in line, line
+    assert line.endswith("; this one is on a read-only filesystem"), line

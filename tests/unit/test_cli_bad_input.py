@@ -174,7 +174,15 @@ BAD = [
     ("bench", ["bench", "--only", "no_such_row"], None, "no_such_row"),
     # Row parameters (new-user F8): declared per row, refused before any row runs.
     ("bench", ["bench", "--only", "restart_identity", "--param", "shards=abc"], None,
-     "bench row restart_identity: --param shards=abc: 'abc' is not an integer; allowed: an integer >= 1"),
+     "bench row restart_identity: --param shards=abc: 'abc' is not an integer; allowed: an integer from 1 to "
+     "100000"),
+    # Past the upper bound (issue 25: clients=10**9 was a MemoryError in the row): refused first.
+    ("bench", ["bench", "--only", "attach_load", "--param", "clients=1000000000"], None,
+     "bench row attach_load: --param clients=1000000000: 1000000000 is out of range; allowed: an integer from 1 "
+     "to 256"),
+    ("bench", ["bench", "--only", "attach_load", "--param", "load_mb=1e-300"], None,
+     "bench row attach_load: --param load_mb=1e-300: 1e-300 is out of range; allowed: a number from 0.001 to 65536"),
+    ("bench", ["bench", "--size", "2000G", "--only", "restart_identity"], None, "--size: size '2000G' is more than 1T"),
     ("bench", ["bench", "--only", "restart_identity", "--param", "shard=3"], None,
      "bench row restart_identity has no parameter 'shard'"),
     ("bench", ["bench", "--only", "attach_load", "--param", "clients=0"], None, "bench row attach_load: --param clients=0"),

@@ -30,7 +30,7 @@ from daemon_support import short_dir
 from reliability_support import NOBODY, skip_privileged
 
 from fixtures.mutations import copy_checkpoint
-from pgbase.errors import CacheKeyMismatchError
+from pgbase.errors import CacheKeyMismatchError, DaemonBusyError
 from preload.daemon import registry
 from preload.events import LoadEvent
 from preload.identity.key import WeightCacheKey
@@ -256,6 +256,12 @@ ACT_ROWS: list[tuple[str, Callable[[Path, Path, Path], Miss], str, list[str], Ca
                                                                       CKPT), "daemon_unavailable",
      ["daemon unavailable: refused", f"whether a daemon serves {SDIR}"],
      lambda tmp, cache: f"start one: preload-gate preload {CKPT} --cache-dir {cache} --socket-root /tmp/rv2/root"),
+    # A full listen backlog is a live daemon: no "start one" (its rank lock refuses a second).
+    ("daemon busy", lambda tmp, tiny, root: daemon_unavailable(DaemonBusyError(
+        f"the daemon at {SDIR}/rank0.sock is busy: its listen backlog is full"), SDIR, 0, CKPT), "daemon_busy",
+     ["daemon busy: the daemon at", "its listen backlog is full", "it is alive: do not start another"],
+     lambda tmp, cache: "raise connect_timeout_s in the loader extra config (--model-loader-extra-config "
+                        "'{\"connect_timeout_s\": 30}'), or start fewer engines at once"),
     # The field case: a raw-stage daemon, an engine that attaches the loaded stage.
     ("raw-stage daemon", lambda tmp, tiny, root: _mismatch(RAW), "key_mismatch",
      ["export_stage: engine loaded, daemon raw", "a raw-stage daemon serves checkpoint tensors"],
