@@ -265,9 +265,11 @@ def _launcher_command(r: DaemonRecord) -> tuple[str | None, list[str]]:
     return "preload-gate preload " + shlex.join(_preload_argv(parser, args)), held
 
 
-# Flags of the launcher not repeated: a dry run never serves, and --take-over
-# is what it did to its predecessor (the next daemon starts on its own).
-_NOT_REPEATED = frozenset({"dry_run", "json", "take_over", "help"})
+# Flags of the launcher not repeated: a dry run never serves, --take-over is
+# what it did to its predecessor (the next daemon starts on its own), and
+# --exit-with-parent ties a daemon to the process that started it: run by hand
+# from a shell, it would end with that shell.
+_NOT_REPEATED = frozenset({"dry_run", "json", "take_over", "exit_with_parent", "help"})
 
 
 def _reparse(argv: list[str], cwd: str | None) -> tuple[argparse.ArgumentParser, argparse.Namespace] | None:

@@ -109,12 +109,14 @@ def test_paths_are_absolute_against_the_launchers_cwd(tmp_path: Path, given: str
 
 def test_flags_keep_their_values_and_take_over_is_not_repeated(tmp_path: Path) -> None:
     """``-tp 2`` is written as the parser's long flag; ``--take-over`` is what
-    this one did to its predecessor, not what the next daemon must do."""
+    this one did to its predecessor, not what the next daemon must do, and
+    ``--exit-with-parent`` would end a daemon started by hand with its shell."""
     work = _tree(tmp_path)
-    with launcher([str(work / "ckpt"), "-tp", "2", "--take-over", "--dtype", "bfloat16", "--no-fd-store"],
-                  work) as pid:
+    argv = [str(work / "ckpt"), "-tp", "2", "--take-over", "--exit-with-parent", "--dtype", "bfloat16", "--no-fd-store"]
+    with launcher(argv, work) as pid:
         rec = _scanned(_record(work, pid))
     assert rec.command is not None and "--take-over" not in rec.command, rec.command
+    assert "--exit-with-parent" not in rec.command, rec.command
     args = _parse(rec.command)
     assert (args.tensor_parallel_size, args.dtype, args.no_fd_store, args.take_over) == (2, "bfloat16", True, False)
 
