@@ -274,14 +274,12 @@ _NOT_REPEATED = frozenset({"dry_run", "json", "take_over", "exit_with_parent", "
 
 def _reparse(argv: list[str], cwd: str | None) -> tuple[argparse.ArgumentParser, argparse.Namespace] | None:
     """``argv`` (after the verb) parsed by the ``preload`` verb's parser
-    (:func:`preload.daemon.cli.register`), its path flags resolved against
+    (:func:`preload.daemon.preload_args.add_preload`), its path flags resolved against
     ``cwd`` (the launcher's) rather than ours; None where it refuses them
     (a launcher of another release): no usage text, no exit."""
-    from preload.daemon import cli
+    from preload.daemon.preload_args import add_preload
 
-    verbs = argparse.ArgumentParser(add_help=False).add_subparsers()
-    cli.register(verbs)
-    parser: argparse.ArgumentParser = verbs.choices["preload"]  # type: ignore[index]
+    parser = add_preload(argparse.ArgumentParser(add_help=False).add_subparsers())
 
     def refuse(message: str) -> NoReturn:
         raise ValueError(message)
