@@ -178,6 +178,7 @@ def _stop_launcher(ranks: list[DaemonRecord], timeout_s: float) -> list[Stopped]
     out = []
     for r, rank in zip(ranks, checked, strict=True):
         pid = int(r.pid or 0)
+        signalled: int | None
         if rank.ok:  # gone already when its launcher stopped it; else SIGTERM it now
             gone, signalled = (
                 stop_pid(pid, term_s=timeout_s, kill_s=KILL_S),
