@@ -16,7 +16,11 @@ OPTIONS, 405 with ``Allow`` for every other method, 404 for other paths, and
 the library's own 400/414/431/505 for malformed requests. A thread per
 connection, at most ``MAX_CONNECTIONS`` at once, and a deadline on each
 request's head (``HEAD_DEADLINE_S``), so a client that trickles its request
-loses its connection and never holds a probe up.
+loses its connection. A connection that has not sent a complete request head
+never keeps a probe out: when every slot is taken, the newcomer gets the slot of
+the connection that has waited longest for its head (idle after connecting, an
+idle keep-alive, a trickler), which is closed; one whose head is complete keeps
+its slot until it is answered.
 
 The names and labels are what operators' dashboards read; they stay as they
 are even where Prometheus' naming advice would differ (``rank_up`` samples of
@@ -199,6 +203,77 @@ class _Deadlines:
                 self._cv.wait(min(self._due.values(), default=now + 3600) - now)
 
 
+class _Connections:
+    """The server's connections, each waiting for a request head (since when)
+    or being answered (None): at most ``limit``, and when full the one that has
+    waited longest for its head gives its slot to the newcomer, so idle or
+    trickling sockets cannot lock a probe out for ``HEAD_DEADLINE_S``."""
+
+    def __init__(self, limit: int) -> None:
+        self._lock = threading.Lock()
+        self._limit = limit
+        self._waiting_since: dict[socket.socket, float | None] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._waiting_since)
+
+    def admit(self, conn: socket.socket) -> bool:
+        """Take a slot for ``conn`` (evicting if need be); False when every slot is mid-answer."""
+        with self._lock:
+            if len(self._waiting_since) >= self._limit:
+                oldest = self._evictable()
+                if oldest is None:
+                    return False
+                del self._waiting_since[oldest]
+                try:
+                    # Read side only: its blocked read returns what arrived, then EOF; a head
+                    # that was complete by then is still answered (see _Handler.parse_request).
+                    oldest.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass
+            self._waiting_since[conn] = time.monotonic()
+            return True
+
+    def _evictable(self) -> socket.socket | None:
+        waiting = [(t, i, c) for i, (c, t) in enumerate(self._waiting_since.items()) if t is not None]
+        return min(waiting, key=lambda w: (w[0], w[1]))[2] if waiting else None
+
+    def waiting(self, conn: socket.socket) -> None:
+        """``conn`` waits for its next request head (a keep-alive connection between requests)."""
+        with self._lock:
+            if conn in self._waiting_since:
+                self._waiting_since[conn] = time.monotonic()
+
+    def answering(self, conn: socket.socket) -> None:
+        """``conn``'s head is read: it keeps its slot until answered (an evicted one has none)."""
+        with self._lock:
+            if conn in self._waiting_since:
+                self._waiting_since[conn] = None
+
+    def release(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._waiting_since.pop(conn, None)
+
+
+class _HeadLines:
+    """The handler's reader while it parses a request head: notes the blank
+    line that ends the head (a read cut short by EOF ends it without one)."""
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+        self.complete = False
+
+    def readline(self, limit: int = -1) -> bytes:
+        line: bytes = self._reader.readline(limit)
+        if line in (b"\r\n", b"\n"):
+            self.complete = True
+        return line
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = MAX_CONNECTIONS
@@ -210,24 +285,24 @@ class _Server(ThreadingHTTPServer):
         self.sockets = sockets
         self.metrics_app = make_wsgi_app(metrics_registry(sockets))
         self.deadlines = _Deadlines()
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.connections = _Connections(MAX_CONNECTIONS)
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):  # full: refuse this one, keep serving the others
+        if not self.connections.admit(request):  # every slot mid-answer: refuse this one, serve the others
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self.connections.release(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self.connections.release(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that vanished mid-answer is routine for a probe server: no traceback on stderr.
@@ -241,6 +316,7 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
     def handle_one_request(self) -> None:
+        self.server.connections.waiting(self.connection)
         self.server.deadlines.arm(self.connection, HEAD_DEADLINE_S)
         try:
             super().handle_one_request()
@@ -248,8 +324,19 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.deadlines.disarm(self.connection)
 
     def parse_request(self) -> bool:
-        ok = super().parse_request()  # reads the headers
+        reader, head = self.rfile, _HeadLines(self.rfile)
+        self.rfile = head  # type: ignore[assignment]  # only readline is asked of it while parsing
+        try:
+            ok = super().parse_request()  # reads the headers
+        finally:
+            self.rfile = reader
         self.server.deadlines.disarm(self.connection)  # the answer may take a rank's timeout
+        self.server.connections.answering(self.connection)  # complete or not, it no longer waits
+        if ok and not head.complete:
+            # EOF cut the head short (evicted, past its deadline, or the client gave up):
+            # not a request, so no answer and no rank asked.
+            self.close_connection = True
+            return False
         return ok
 
     def __getattr__(self, name: str) -> Any:
@@ -336,6 +423,10 @@ class HealthServer:
 
     def start(self) -> None:
         self._thread.start()
+
+    def connections(self) -> int:
+        """How many connections hold a slot now (at most ``MAX_CONNECTIONS``)."""
+        return len(self._httpd.connections)
 
     def stop(self) -> None:
         self._httpd.shutdown()

@@ -1,0 +1,256 @@
+"""Connections that have not sent a complete request head never keep a probe out.
+
+``MAX_CONNECTIONS`` sockets that connect and send nothing (or trickle a
+request a byte at a time) fill every slot of the health server; a Kubernetes
+probe (timeout 1 s) that comes next must still get its 200 at once, not after
+``HEAD_DEADLINE_S``. When the slots are full the server closes the connection
+that has waited longest for its head; a connection whose head is complete
+(its answer in progress) is never the one closed.
+
+The ranks are a stub of ``health.rank_stats`` (the HTTP side is what is
+under test; test_health_http.py holds the battery against a live daemon).
+Controls: the same probe against the server refusing the newcomer instead
+(today's behaviour before this change) fails; the sockets closed are the idle
+ones (their ``recv`` gets EOF) and a client mid-answer gets its answer.
+"""
+
+from __future__ import annotations
+
+import http.client
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from preload.daemon import health
+
+pytestmark = [pytest.mark.unit, pytest.mark.xdist_group(name="health_idle")]
+
+PROBE_TIMEOUT_S = 1.0  # a Kubernetes probe's default timeoutSeconds
+
+
+@dataclass
+class Ranks:
+    """``rank_stats`` for the server's one (fake) rank; ``hold`` keeps an answer in progress."""
+
+    hold: threading.Event = field(default_factory=threading.Event)
+    entered: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.hold.set()
+
+    def __call__(self, socket_path: object) -> dict[str, object]:
+        self.entered.set()
+        assert self.hold.wait(30)
+        return {"rank": 0, "digest": "ab" * 32}
+
+
+@dataclass
+class Served:
+    server: health.HealthServer
+    ranks: Ranks
+    kind: str  # a key of EVICTION: "evicting" is the server as built
+
+    @property
+    def as_built(self) -> bool:
+        return self.kind == "evicting"
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.server.port)
+
+    def idle(self, n: int) -> list[socket.socket]:
+        """``n`` connections that send nothing, accepted by the server (in order) before this returns."""
+        want = min(self.server.connections() + n, health.MAX_CONNECTIONS)
+        out = [socket.create_connection(self.address, timeout=5) for _ in range(n)]
+        _wait_accepted(self, want)
+        return out
+
+    def probe(self) -> int:
+        c = http.client.HTTPConnection(*self.address, timeout=PROBE_TIMEOUT_S)
+        try:
+            c.request("GET", "/health", headers={"User-Agent": "kube-probe/1.30", "Connection": "close"})
+            r = c.getresponse()
+            assert r.read() == b"ok\n"
+            return r.status
+        finally:
+            c.close()
+
+
+def _wait_accepted(s: Served, n: int) -> None:
+    """Until the server holds ``n`` connections (its accept loop is asynchronous to our connect)."""
+    _wait_until(lambda: s.server.connections() >= n)
+
+
+def _wait_until(done: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 5
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _oldest_of_all(self: health._Connections) -> socket.socket | None:
+    """A naive eviction: the oldest connection, whether or not its head is complete."""
+    return next(iter(self._waiting_since), None)
+
+
+# The server as built, and the two bugs its tests must catch.
+EVICTION = {
+    "evicting": None,
+    "refusing": lambda self: None,  # before this change: when full, the newcomer is refused
+    "naive": _oldest_of_all,
+}
+
+
+def _serve(kind: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
+    if EVICTION[kind] is not None:
+        monkeypatch.setattr(health._Connections, "_evictable", EVICTION[kind])
+    ranks = Ranks()
+    monkeypatch.setattr(health, "rank_stats", ranks)
+    server = health.HealthServer("127.0.0.1", 0, ["/nonexistent/ab12/rank0.sock"])
+    server.start()
+    try:
+        yield Served(server, ranks, kind)
+    finally:
+        ranks.hold.set()
+        server.stop()
+
+
+@pytest.fixture(params=["evicting", "refusing"])
+def served(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
+    """The server, and as the control the one that refuses a newcomer when full."""
+    yield from _serve(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["evicting", "naive"])
+def served_busy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
+    """The server, and as the control one that evicts the oldest connection even mid-answer."""
+    yield from _serve(request.param, monkeypatch)
+
+
+def _eof(s: socket.socket, within: float) -> bool:
+    """True when the server closed ``s`` (EOF or reset) within ``within`` seconds."""
+    s.settimeout(within)
+    try:
+        return s.recv(4096) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def _closed_all(socks: list[socket.socket]) -> None:
+    for s in socks:
+        s.close()
+
+
+def test_idle_connections_do_not_keep_a_probe_out(served: Served) -> None:
+    idle = served.idle(health.MAX_CONNECTIONS)
+    try:
+        t0 = time.monotonic()
+        if not served.as_built:
+            with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
+                served.probe()
+            return
+        assert served.probe() == 200
+        assert time.monotonic() - t0 < PROBE_TIMEOUT_S
+        # The probe's slot came from the connection that waited longest; the others stay open.
+        assert _eof(idle[0], 2.0), "the oldest idle connection was not the one closed"
+        readable, _, _ = select.select(idle[1:], [], [], 0.3)  # a closed socket reads (EOF)
+        assert readable == [], "a newer idle connection was closed too"
+        # The probe's own slot is free once answered; filled again, each probe takes
+        # the slot of the next oldest idle connection.
+        for k in range(1, 4):
+            # The probe's thread lets its slot go after its answer: wait for that first.
+            _wait_until(lambda: served.server.connections() < health.MAX_CONNECTIONS)
+            idle += served.idle(1)
+            assert served.probe() == 200
+            assert _eof(idle[k], 2.0)
+    finally:
+        _closed_all(idle)
+
+
+def test_a_complete_head_mid_answer_is_never_evicted(served_busy: Served) -> None:
+    """A keep-alive client whose answer is in progress (the rank is slow)
+    keeps its connection while more than MAX_CONNECTIONS idle ones come and go."""
+    served = served_busy
+    served.ranks.hold.clear()
+    served.ranks.entered.clear()
+    busy = http.client.HTTPConnection(*served.address, timeout=30)
+    busy.request("GET", "/health")  # HTTP/1.1 keep-alive
+    assert served.ranks.entered.wait(5)
+    idle = served.idle(health.MAX_CONNECTIONS - 1)  # every slot taken, the busy one among them
+    more = [socket.create_connection(served.address, timeout=5) for _ in range(8)]  # each evicts one
+    try:
+        closed = [_eof(s, 2.0) for s in idle[:8]]
+        served.ranks.hold.set()
+        if not served.as_built:  # the busy one went first: its answer is lost
+            with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
+                busy.getresponse().read()
+                busy.request("GET", "/health")
+                busy.getresponse().read()
+            return
+        assert all(closed), closed
+        r = busy.getresponse()
+        assert r.status == 200 and r.read() == b"ok\n"
+        # Still the same connection: it answers the next request too.
+        busy.request("GET", "/health")
+        r = busy.getresponse()
+        assert r.status == 200 and r.read() == b"ok\n"
+    finally:
+        busy.close()
+        _closed_all(idle + more)
+
+
+def test_slow_loris_of_more_than_max_connections(served: Served) -> None:
+    """MAX_CONNECTIONS + 16 clients trickle a request a byte every 0.1 s; every
+    probe meanwhile answers 200 within its 1 s timeout and the tricklers are cut."""
+    stop = threading.Event()
+    cut: list[int] = []
+    lock = threading.Lock()
+
+    def trickle(k: int) -> None:
+        try:
+            s = socket.create_connection(served.address, timeout=30)
+        except OSError:
+            with lock:
+                cut.append(k)
+            return
+        try:
+            for b in b"GET /health HTTP/1.1\r\nHost: slow\r\nX-Pad: " + b"x" * 10_000:
+                if stop.is_set():
+                    return
+                s.send(bytes([b]))
+                time.sleep(0.1)
+        except OSError:
+            with lock:
+                cut.append(k)
+        finally:
+            s.close()
+
+    n = health.MAX_CONNECTIONS + 16
+    threads = [threading.Thread(target=trickle, args=(k,), daemon=True) for k in range(n)]
+    for th in threads:
+        th.start()
+        time.sleep(0.005)
+    time.sleep(0.5)  # every trickler connected and sending
+    try:
+        if not served.as_built:
+            with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
+                served.probe()
+            return
+        for _ in range(10):
+            t0 = time.monotonic()
+            assert served.probe() == 200
+            assert time.monotonic() - t0 < PROBE_TIMEOUT_S
+            time.sleep(0.05)
+        time.sleep(0.5)
+        with lock:
+            assert len(cut) >= 16, f"only {len(cut)} tricklers were cut: the server held more than it has slots"
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(5)
