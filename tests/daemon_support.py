@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -135,3 +137,40 @@ def wait_for(cond, bound: float) -> bool:
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+def bind_private(path: Path) -> socket.socket:
+    """An AF_UNIX socket bound at ``path``, mode 0600 (as a daemon binds its own)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        s.bind(str(path))
+    finally:
+        os.umask(old)
+    return s
+
+
+class FullListener:
+    """An AF_UNIX listener with backlog 0 that never accepts, its queue filled."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.listener = bind_private(path)
+        self.listener.listen(0)
+        self.held: list[socket.socket] = []
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(str(path))
+            except BlockingIOError as exc:
+                s.close()
+                assert exc.errno == errno.EAGAIN
+                break
+            self.held.append(s)
+            assert len(self.held) < 1000, "the backlog never filled"
+
+    def close(self) -> None:
+        for s in self.held:
+            s.close()
+        self.listener.close()

@@ -37,14 +37,14 @@ import time
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from prometheus_client import make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from pgbase.errors import PreloadGateError, ProtocolError
+from pgbase.errors import DaemonBusyError, PreloadGateError, ProtocolError
 from preload.client import DaemonClient
 
 PREFIX = "preload_gate_"
@@ -68,38 +68,60 @@ ARENA_COUNTERS = {
 }
 
 
-def ask_rank(socket_path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
-    """A rank's ``stats`` answer, or ``(None, why)``: ``why`` is None when
-    nothing answers on the socket, else what the daemon that answered said
-    (a daemon of another release refuses our protocol version by name)."""
+class RankReply(NamedTuple):
+    """What a rank's socket said to ``stats``: the answer (``stats``), or
+    why there is none. ``refused``: a daemon answered and refused us (one
+    of another release refuses our protocol version by name). ``busy``: a
+    daemon listens but its listen backlog stayed full for the connect
+    timeout (:class:`pgbase.errors.DaemonBusyError`): alive, not down.
+    All three None: nothing answers on the socket."""
+
+    stats: dict[str, Any] | None
+    refused: str | None = None
+    busy: str | None = None
+
+    @property
+    def up(self) -> bool:
+        """A daemon is there: it answered, or it is too busy to (not down)."""
+        return self.stats is not None or self.busy is not None
+
+
+def ask_rank(socket_path: str | Path) -> RankReply:
+    """A rank's ``stats`` answer, or why there is none (:class:`RankReply`)."""
     p = Path(socket_path)
     rank = int(p.stem.removeprefix("rank"))
     try:
         c = DaemonClient.connect(p.parent, rank, timeout_s=2.0, deadline_s=5.0, client="preload-gate-health")
+    except DaemonBusyError as exc:
+        return RankReply(None, busy=str(exc))
     except ProtocolError as exc:
-        return None, str(exc)
+        return RankReply(None, refused=str(exc))
     except PreloadGateError:
-        return None, None
+        return RankReply(None)
     try:
-        return c.stats(), None
+        return RankReply(c.stats())
     except ProtocolError as exc:
-        return None, str(exc)
+        return RankReply(None, refused=str(exc))
     except PreloadGateError:
-        return None, None
+        return RankReply(None)
     finally:
         c.close()
 
 
 def rank_stats(socket_path: str | Path) -> dict[str, Any] | None:
-    """A rank's ``stats`` answer, or None when its socket does not answer it."""
-    return ask_rank(socket_path)[0]
+    """A rank's ``stats`` answer, or None when its socket does not answer it
+    (busy included: :func:`ask_rank` tells busy from down)."""
+    return ask_rank(socket_path).stats
 
 
-def metric_families(stats: Sequence[dict[str, Any] | None], sockets: Sequence[str]) -> list[Metric]:
-    """The daemon's metric families from each rank's ``stats`` (None: the
-    rank did not answer), in the order of ``sockets``.
+def metric_families(stats: Sequence[RankReply | dict[str, Any] | None], sockets: Sequence[str]) -> list[Metric]:
+    """The daemon's metric families from each rank's reply (:func:`ask_rank`;
+    a bare ``stats`` dict is an answer, None: the rank did not answer), in
+    the order of ``sockets``.
 
-    ``rank_up`` (gauge, 1/0) per socket; per answering rank, labelled
+    ``rank_up`` (gauge, 1/0) per socket: 1 for a rank that answers and for
+    one too busy to (``rank_busy`` 1: its listen backlog stayed full; it is
+    alive, and a liveness probe must not restart it); per answering rank, labelled
     ``rank`` and ``digest``: ``hits_total``, ``misses_total`` (by ``reason``)
     and ``attach_failures_total`` (by ``kind``) (counters),
     ``attached_engines``, ``resident_bytes`` and ``load_seconds`` (gauges);
@@ -107,7 +129,9 @@ def metric_families(stats: Sequence[dict[str, Any] | None], sockets: Sequence[st
     ``proof_failed_total``, ``loaded_from_disk_total``, ``evicted_total``.
     """
     base_labels = ["rank", "digest"]
-    up = GaugeMetricFamily(PREFIX + "rank_up", "1 when the rank answers on its socket")
+    up = GaugeMetricFamily(PREFIX + "rank_up", "1 when a daemon is there on the rank's socket (answering, or busy)")
+    busy = GaugeMetricFamily(PREFIX + "rank_busy", "1 when the rank's listen backlog stayed full for the connect "
+                             "timeout (alive, too busy to answer this scrape)")
     hits = CounterMetricFamily(PREFIX + "hits", "attaches the engine reported done after a get_state that matched",
                                labels=base_labels)
     misses = CounterMetricFamily(PREFIX + "misses", "get_state answers that did not match, by reason",
@@ -120,10 +144,14 @@ def metric_families(stats: Sequence[dict[str, Any] | None], sockets: Sequence[st
                              labels=base_labels)
     arena_counters = {name: CounterMetricFamily(PREFIX + name, help_, labels=base_labels)
                       for name, help_ in ARENA_COUNTERS.items()}
-    for sock, s in zip(sockets, stats, strict=True):
+    for sock, reply in zip(sockets, stats, strict=True):
+        r = reply if isinstance(reply, RankReply) else RankReply(reply)
+        s = r.stats
         if s is None:
-            up.add_sample(up.name, {"socket": sock}, 0)
+            up.add_sample(up.name, {"socket": sock}, int(r.up))
+            busy.add_sample(busy.name, {"socket": sock}, int(r.busy is not None))
             continue
+        busy.add_sample(busy.name, {"socket": sock}, 0)
         rank, digest = str(s["rank"]), str(s["digest"])
         base = [rank, digest]
         up.add_sample(up.name, {"socket": sock, "rank": rank, "digest": digest}, 1)
@@ -137,7 +165,7 @@ def metric_families(stats: Sequence[dict[str, Any] | None], sockets: Sequence[st
         load.add_metric(base, s["load_seconds"])
         for name in ARENA_COUNTERS:
             arena_counters[name].add_metric(base, s.get(name, 0))  # a rank of an older release: 0
-    return [up, hits, misses, failures, attached, resident, load, *arena_counters.values()]
+    return [up, busy, hits, misses, failures, attached, resident, load, *arena_counters.values()]
 
 
 class RankCollector(Collector):
@@ -148,7 +176,7 @@ class RankCollector(Collector):
         self.sockets = list(sockets)
 
     def collect(self) -> Iterator[Metric]:
-        yield from metric_families([rank_stats(s) for s in self.sockets], self.sockets)
+        yield from metric_families([ask_rank(s) for s in self.sockets], self.sockets)
 
     def describe(self) -> Iterator[Metric]:
         # The families' names without asking a rank: the registry learns them at
@@ -349,8 +377,13 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         path = self._route()
         if path == "/health":
-            ok = all(rank_stats(s) is not None for s in self.server.sockets)
-            self._send(200 if ok else 503, b"ok\n" if ok else b"unavailable\n",
+            # A busy rank is alive (its backlog is full of engines connecting): a
+            # liveness probe that restarted it would drop weights engines are mapping.
+            replies = [ask_rank(s) for s in self.server.sockets]
+            ok = all(r.up for r in replies)
+            busy = [s for s, r in zip(self.server.sockets, replies, strict=True) if r.busy]
+            body = "unavailable\n" if not ok else f"ok: busy: {', '.join(busy)}\n" if busy else "ok\n"
+            self._send(200 if ok else 503, body.encode(),
                        [("Content-Type", "text/plain; charset=utf-8"), ("Cache-Control", "no-store")])
         elif path == "/metrics":
             self._metrics()

@@ -69,6 +69,7 @@ class DaemonRecord(msgspec.Struct, kw_only=True):
     not_a_socket: str | None = None
     lock_holder: str | None = None  # the pid its lock file names ("unknown" when empty)
     refused: str | None = None
+    busy: str | None = None  # a daemon listens, its backlog full for the connect timeout: alive, not stale
     # A serving rank: identity and what it holds.
     pid: int | None = None
     rank: int | None = None
@@ -191,7 +192,8 @@ def scan(root: str | os.PathLike[str] | None) -> list[DaemonRecord]:
         if d.is_symlink() or not d.is_dir():
             continue
         for sock in sorted(d.glob("rank*.sock")):
-            answer, refused = ask_rank(sock)
+            reply = ask_rank(sock)
+            answer = reply.stats
             if answer is not None:
                 record = msgspec.convert({**answer, "socket": str(sock), "socket_root": str(base), "serving": True},
                                          DaemonRecord)
@@ -199,7 +201,8 @@ def scan(root: str | os.PathLike[str] | None) -> list[DaemonRecord]:
                 found.append(record)
                 continue
             # Stale only when nothing answers AND no live process holds the lock.
-            found.append(DaemonRecord(socket=str(sock), socket_root=str(base), serving=False, refused=refused,
+            found.append(DaemonRecord(socket=str(sock), socket_root=str(base), serving=False, refused=reply.refused,
+                                      busy=reply.busy,
                                       not_a_socket=_not_a_socket(sock),
                                       lock_holder=lock_holder(d, int(sock.stem.removeprefix("rank")))))
     return found
@@ -571,6 +574,8 @@ def _not_serving(r: DaemonRecord) -> str:
         return f"{r.socket}: {r.not_a_socket}, not a socket: nothing serves here; remove it"
     if r.refused:
         return f"{r.socket}: a daemon answers but refused us: {r.refused}"
+    if r.busy:
+        return f"{r.socket}: a daemon listens but is busy (not stale; do not start another): {r.busy}"
     if r.lock_holder:
         return f"{r.socket}: not answering, but pid {r.lock_holder} holds its lock (a daemon starting, or hung): not stale"
     return f"{r.socket}: not answering and its lock is free (stale socket)"

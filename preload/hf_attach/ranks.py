@@ -33,11 +33,23 @@ class RankMissError(WeightCacheUnavailableError):
 
 def daemon_gpus(sdir: str | os.PathLike[str]) -> dict[int, str | None]:
     """Each serving rank in ``sdir`` and the GPU (UUID) its arena lives on,
-    from the daemons' own hello; ranks that do not answer are left out."""
+    from the daemons' own hello; ranks that do not answer are left out
+    (busy ones too: :func:`probe_gpus` tells them apart)."""
+    return probe_gpus(sdir)[0]
+
+
+def probe_gpus(sdir: str | os.PathLike[str]) -> tuple[dict[int, str | None], dict[int, DaemonBusyError]]:
+    """``(gpus, busy)``: :func:`daemon_gpus`'s map, and each rank whose
+    daemon listens but stayed too busy to answer (its listen backlog full
+    for the connect timeout), with the error that says so."""
     out: dict[int, str | None] = {}
+    busy: dict[int, DaemonBusyError] = {}
     for rank in socket_ranks(Path(sdir)):
         try:
             c = DaemonClient.connect(sdir, rank, client="preload-gate-hf-probe")
+        except DaemonBusyError as exc:
+            busy[rank] = exc
+            continue
         except (WeightCacheUnavailableError, ProtocolError):
             continue
         try:
@@ -45,7 +57,7 @@ def daemon_gpus(sdir: str | os.PathLike[str]) -> dict[int, str | None]:
             out[rank] = uuid if isinstance(uuid, str) else None
         finally:
             c.close()
-    return out
+    return out, busy
 
 
 def socket_ranks(sdir: Path) -> list[int]:
@@ -68,8 +80,15 @@ def find_rank(sdir: str | os.PathLike[str], device: torch.device, tp_size: int =
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     own = device_uuid(index)
-    gpus = daemon_gpus(sdir)
+    gpus, busy = probe_gpus(sdir)
     g = rank_on_gpu(gpus, own, tp_size, tp_rank)
+    if g is None and busy:
+        # Which GPU a busy daemon is on is unknown: it may be this engine's. Say
+        # busy (the loader's daemon_busy miss), not "no daemon on this GPU".
+        first = min(busy)
+        raise DaemonBusyError(f"no answering daemon in {sdir} serves tensor-parallel rank {tp_rank} on this "
+                              f"engine's GPU cuda:{index} ({own}), and rank(s) "
+                              f"{', '.join(str(r) for r in sorted(busy))} are busy: {busy[first]}")
     if g is None:
         seen = ", ".join(f"rank{r}={u}" for r, u in sorted(gpus.items())) or "none answering"
         raise RankMissError(tp_rank, ["gpu_uuid"], f"no daemon in {sdir} serves tensor-parallel rank {tp_rank} "

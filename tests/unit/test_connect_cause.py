@@ -23,15 +23,13 @@ file with no listener behind it.
 from __future__ import annotations
 
 import errno
-import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_support import short_dir
+from daemon_support import FullListener, bind_private, short_dir
 
 from pgbase import oscause
 from pgbase.errors import WeightCacheUnavailableError
@@ -39,42 +37,6 @@ from preload.client import DaemonBusyError, DaemonClient
 from preload.daemon.lock import RankBusyError, RankLock, socket_answers
 
 pytestmark = pytest.mark.unit
-
-
-def _bind(path: Path) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)
-    try:
-        s.bind(str(path))
-    finally:
-        os.umask(old)
-    return s
-
-
-class FullListener:
-    """An AF_UNIX listener with backlog 0 that never accepts, its queue filled."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.listener = _bind(path)
-        self.listener.listen(0)
-        self.held: list[socket.socket] = []
-        while True:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.setblocking(False)
-            try:
-                s.connect(str(path))
-            except BlockingIOError as exc:
-                s.close()
-                assert exc.errno == errno.EAGAIN
-                break
-            self.held.append(s)
-            assert len(self.held) < 1000, "the backlog never filled"
-
-    def close(self) -> None:
-        for s in self.held:
-            s.close()
-        self.listener.close()
 
 
 @pytest.fixture
@@ -111,7 +73,7 @@ def test_a_full_backlog_is_a_busy_daemon_not_no_daemon(sdir: Path, full: FullLis
 
 
 def test_control_no_listener_is_no_daemon(sdir: Path) -> None:
-    dead = _bind(sdir / "rank0.sock")
+    dead = bind_private(sdir / "rank0.sock")
     dead.close()  # the socket file stays, nothing listens: ECONNREFUSED
     t0 = time.monotonic()
     with pytest.raises(WeightCacheUnavailableError) as caught:
@@ -169,7 +131,7 @@ def test_a_busy_daemon_answers_for_liveness(sdir: Path, full: FullListener) -> N
 def test_control_a_dead_socket_does_not_answer(sdir: Path) -> None:
     from preload.daemon import keeper
 
-    dead = _bind(sdir / "rank0.sock")
+    dead = bind_private(sdir / "rank0.sock")
     dead.close()
     assert not socket_answers(sdir / "rank0.sock")
     assert not keeper._answers(sdir / "rank0.sock")

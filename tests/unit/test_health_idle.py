@@ -7,7 +7,7 @@ probe (timeout 1 s) that comes next must still get its 200 at once, not after
 that has waited longest for its head; a connection whose head is complete
 (its answer in progress) is never the one closed.
 
-The ranks are a stub of ``health.rank_stats`` (the HTTP side is what is
+The ranks are a stub of ``health.ask_rank`` (the HTTP side is what is
 under test; test_health_http.py holds the battery against a live daemon).
 Controls: the same probe against the server refusing the newcomer instead
 (today's behaviour before this change) fails; the sockets closed are the idle
@@ -35,7 +35,7 @@ PROBE_TIMEOUT_S = 1.0  # a Kubernetes probe's default timeoutSeconds
 
 @dataclass
 class Ranks:
-    """``rank_stats`` for the server's one (fake) rank; ``hold`` keeps an answer in progress."""
+    """``ask_rank`` for the server's one (fake) rank; ``hold`` keeps an answer in progress."""
 
     hold: threading.Event = field(default_factory=threading.Event)
     entered: threading.Event = field(default_factory=threading.Event)
@@ -43,10 +43,10 @@ class Ranks:
     def __post_init__(self) -> None:
         self.hold.set()
 
-    def __call__(self, socket_path: object) -> dict[str, object]:
+    def __call__(self, socket_path: object) -> health.RankReply:
         self.entered.set()
         assert self.hold.wait(30)
-        return {"rank": 0, "digest": "ab" * 32}
+        return health.RankReply({"rank": 0, "digest": "ab" * 32})
 
 
 @dataclass
@@ -109,7 +109,7 @@ def _serve(kind: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
     if EVICTION[kind] is not None:
         monkeypatch.setattr(health._Connections, "_evictable", EVICTION[kind])
     ranks = Ranks()
-    monkeypatch.setattr(health, "rank_stats", ranks)
+    monkeypatch.setattr(health, "ask_rank", ranks)
     server = health.HealthServer("127.0.0.1", 0, ["/nonexistent/ab12/rank0.sock"])
     server.start()
     try:

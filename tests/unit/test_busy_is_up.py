@@ -1,0 +1,141 @@
+"""A daemon too busy to answer is up, everywhere a rank is asked (issue 25).
+
+A daemon whose listen backlog stays full for the connect timeout (more
+engines connecting at once than it has accepted yet) is alive: the client
+says so with :class:`pgbase.errors.DaemonBusyError`. Every caller that asks a
+rank must keep that apart from "nothing answers":
+
+- the health server: ``/health`` answers 200 (a liveness probe that
+  restarted a busy daemon would drop the weights engines are mapping) and
+  names the busy socket; ``/metrics`` says ``rank_up 1`` and ``rank_busy 1``;
+- ``status``: "busy (not stale; do not start another)", not "not answering";
+- the engine's rank lookup on CUDA: a busy daemon may be on this GPU, so
+  the miss is ``daemon_busy``, not "no daemon serves this GPU".
+
+The busy daemon is a real AF_UNIX listener with a full backlog
+(:class:`daemon_support.FullListener`); the control in each test is the same
+socket file with nothing listening behind it, which must read as down.
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from daemon_support import FullListener, bind_private, short_dir
+from prometheus_client.parser import text_string_to_metric_families
+
+from pgbase.errors import DaemonBusyError
+from preload.daemon import health
+
+pytestmark = [pytest.mark.unit, pytest.mark.xdist_group(name="busy_is_up")]
+
+
+@pytest.fixture
+def sdir() -> Iterator[Path]:
+    """A socket dir ``<digest[:16]>`` under a socket root of its own (``status`` scans the root)."""
+    root = short_dir("pg-busy-")
+    d = root / ("ab" * 8)
+    d.mkdir(mode=0o700)
+    try:
+        yield d
+    finally:
+        for p in d.iterdir():
+            p.unlink()
+        d.rmdir()
+        root.rmdir()
+
+
+def _dead(sdir: Path) -> Path:
+    """The control: a socket file with nothing listening (ECONNREFUSED)."""
+    path = sdir / "rank0.sock"
+    bind_private(path).close()
+    return path
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _probe(sock: Path) -> tuple[int, str, dict[str, float]]:
+    """``/health``'s status and body, and ``/metrics``' rank gauges, from a real health server on ``sock``."""
+    server = health.HealthServer("127.0.0.1", 0, [str(sock)])
+    server.start()
+    try:
+        port = server.port
+        code, body = _get(port, "/health")
+        _, text = _get(port, "/metrics")
+    finally:
+        server.stop()
+    gauges = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name in (health.PREFIX + "rank_up", health.PREFIX + "rank_busy")}
+    return code, body, gauges
+
+
+def test_ask_rank_tells_busy_from_down(sdir: Path) -> None:
+    full = FullListener(sdir / "rank0.sock")
+    try:
+        reply = health.ask_rank(full.path)
+    finally:
+        full.close()
+    assert reply.stats is None and reply.busy and "listen backlog is full" in reply.busy, reply
+    assert reply.up
+    dead = health.ask_rank(full.path)  # control: the listener is closed, the file stays
+    assert dead == health.RankReply(None) and not dead.up, dead
+
+
+def test_the_health_server_reports_a_busy_rank_up(sdir: Path) -> None:
+    full = FullListener(sdir / "rank0.sock")
+    try:
+        code, body, gauges = _probe(full.path)
+    finally:
+        full.close()
+    assert code == 200 and body.startswith("ok: busy: ") and str(full.path) in body, (code, body)
+    assert gauges == {health.PREFIX + "rank_up": 1.0, health.PREFIX + "rank_busy": 1.0}, gauges
+
+
+def test_control_the_health_server_reports_a_dead_rank_down(sdir: Path) -> None:
+    code, body, gauges = _probe(_dead(sdir))
+    assert (code, body) == (503, "unavailable\n")
+    assert gauges == {health.PREFIX + "rank_up": 0.0, health.PREFIX + "rank_busy": 0.0}, gauges
+
+
+def test_status_says_busy_not_stale(sdir: Path) -> None:
+    from preload.daemon import status
+
+    full = FullListener(sdir / "rank0.sock")
+    try:
+        [busy] = status.scan(sdir.parent)
+    finally:
+        full.close()
+    line = status._not_serving(busy)
+    assert busy.busy and "is busy" in line and "not stale" in line and "stale socket" not in line, line
+    [dead] = status.scan(sdir.parent)  # control: the same socket, nothing listens now
+    line = status._not_serving(dead)
+    assert dead.busy is None and "is busy" not in line and "stale socket" in line, line
+
+
+def test_the_engine_rank_lookup_says_busy_not_no_daemon(sdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from preload.hf_attach.ranks import RankMissError, find_rank
+    from preload.transports import cuda
+
+    monkeypatch.setattr(cuda, "device_uuid", lambda index: "GPU-00000000-this-engine")
+    device = torch.device("cuda", 0)
+    full = FullListener(sdir / "rank0.sock")
+    try:
+        with pytest.raises(DaemonBusyError) as caught:
+            find_rank(sdir, device)
+    finally:
+        full.close()
+    assert "busy" in str(caught.value) and "listen backlog is full" in str(caught.value), caught.value
+    with pytest.raises(RankMissError) as missed:  # control: nothing listens: no daemon on this GPU
+        find_rank(sdir, device)
+    assert not isinstance(missed.value, DaemonBusyError) and "no daemon in" in str(missed.value), missed.value
