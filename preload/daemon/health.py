@@ -352,6 +352,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.deadlines.disarm(self.connection)
 
     def parse_request(self) -> bool:
+        if not self.raw_requestline.endswith(b"\n"):
+            # EOF cut the request line short (an evicted or timed-out connection,
+            # or a client that gave up): not a request, so no answer (http.server
+            # would answer its fragment with a 400 page, headerless as HTTP/0.9).
+            self.close_connection = True
+            return False
         reader, head = self.rfile, _HeadLines(self.rfile)
         self.rfile = head  # type: ignore[assignment]  # only readline is asked of it while parsing
         try:

@@ -254,3 +254,38 @@ def test_slow_loris_of_more_than_max_connections(served: Served) -> None:
         stop.set()
         for th in threads:
             th.join(5)
+
+
+@pytest.fixture
+def served_as_built(monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
+    yield from _serve("evicting", monkeypatch)
+
+
+@pytest.mark.parametrize("fragment", [b"GE", b"GET /health HTTP/1.1\r\nHost: cut"], ids=["line", "headers"])
+def test_an_evicted_fragment_gets_no_answer(served_as_built: Served, fragment: bytes) -> None:
+    """A connection evicted part-way through its head is closed unanswered:
+    http.server would answer the fragment (``GE``: a 400 page with no status
+    line, as HTTP/0.9). The control: a whole request sent the same way,
+    first in line, is answered before any eviction."""
+    served = served_as_built
+    whole = socket.create_connection(served.address, timeout=5)
+    whole.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+    whole.settimeout(5)
+    assert whole.recv(64).startswith(b"HTTP/1.1 200 "), "control: a whole request is answered"
+    whole.close()
+    _wait_until(lambda: served.server.connections() == 0)
+    cut = socket.create_connection(served.address, timeout=5)
+    cut.sendall(fragment)
+    _wait_accepted(served, 1)
+    time.sleep(0.2)  # the fragment is read: the connection waits for the rest of its head
+    idle = served.idle(health.MAX_CONNECTIONS)  # the last of these evicts the fragment (waited longest)
+    try:
+        cut.settimeout(3)
+        try:
+            got = cut.recv(4096)
+        except ConnectionResetError:
+            got = b""
+        assert got == b"", f"an evicted fragment was answered: {got[:80]!r}"
+    finally:
+        cut.close()
+        _closed_all(idle)
