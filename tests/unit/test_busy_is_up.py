@@ -19,6 +19,7 @@ socket file with nothing listening behind it, which must read as down.
 
 from __future__ import annotations
 
+import shutil
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -44,10 +45,7 @@ def sdir() -> Iterator[Path]:
     try:
         yield d
     finally:
-        for p in d.iterdir():
-            p.unlink()
-        d.rmdir()
-        root.rmdir()
+        shutil.rmtree(root)
 
 
 def _dead(sdir: Path) -> Path:
