@@ -101,6 +101,47 @@ def describe(exc: BaseException, path: str | os.PathLike[str] | None = None) -> 
     return explain(exc, path).text
 
 
+# The errnos of a full descriptor table: this process's (RLIMIT_NOFILE) or the system's.
+FILE_LIMIT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE})
+
+
+def file_limit(exc: BaseException) -> Cause | None:
+    """The open-file limit ``exc`` ran into, or None: ``exc`` itself or any
+    exception it was raised from or during (``__cause__``, ``__context__``)
+    carries EMFILE or ENFILE. Ask it before a handler words a failure some
+    other way ("no daemon answers", "module failed to import", a
+    traceback): at the limit every open fails, and only the limit is the
+    cause.
+
+    >>> file_limit(OSError(errno.EMFILE, "Too many open files")).kind  # doctest: +SKIP
+    'open_files'
+    """
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if _errno_of(e) in FILE_LIMIT_ERRNOS:
+            return explain(e)
+        todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
+    return None
+
+
+def file_limit_now() -> Cause | None:
+    """The open-file limit this process is at now (an open fails with EMFILE
+    or ENFILE), or None. For a failure whose cause a library dropped (an
+    import whose directory listing failed reads as ``ModuleNotFoundError``),
+    asked while the caller still holds what it holds."""
+    try:
+        fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        return explain(exc) if exc.errno in FILE_LIMIT_ERRNOS else None
+    os.close(fd)
+    return None
+
+
 def reason(exc: BaseException, path: str | os.PathLike[str] | None = None) -> str:
     """For a handler that takes any exception: the real cause where the
     failure was the system's (an errno, a failed allocation), else

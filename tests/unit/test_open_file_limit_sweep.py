@@ -1,0 +1,180 @@
+"""Every verb under a tight open-file limit: it works, or it says so in one line.
+
+``ulimit -n N`` then a verb: each run either exits 0, or exits 2 with one
+stderr line naming the open-file limit (RLIMIT_NOFILE, ``ulimit -n``), no
+traceback, nothing new on disk. N sweeps 5..40: low enough that imports,
+pipes, sockets and the launcher's own descriptors run out before a rank's
+budget check (:mod:`preload.budget`) can speak, high enough for some verbs
+to pass. ``status`` and ``preload --dry-run`` run beside a live daemon (so
+they connect to it); ``preload`` starts one (raw stage) and is stopped once
+ready.
+
+Controls: the same runs at ``ulimit -n 1024`` exit 0; the checker rejects a
+raw EMFILE traceback, a two-line refusal and a one-line refusal that names
+no limit, so it tells the bug from the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_support import repo_pythonpath
+from reliability_support import RawDaemon, promote_checkpoint, short_tempdir
+
+from fixtures.tiny import write_tiny
+from preload.daemon.parent import PARENT_PID_ENV
+
+pytestmark = [pytest.mark.unit, pytest.mark.xdist_group(name="open_file_budget")]
+
+REPO = Path(__file__).resolve().parents[2]
+LIMITS = (5, 8, 12, 20)
+ENOUGH = 1024
+READY_S = 60.0
+
+
+def _tree(*roots: Path) -> set[str]:
+    return {str(p) for root in roots if root.exists() for p in root.rglob("*")}
+
+
+def judge(rc: int, stdout: str, stderr: str) -> str | None:
+    """None when a run under a tight limit behaved: exit 0, or exit 2 with one
+    stderr line naming the open-file limit and its fix; else what is wrong."""
+    if "Traceback" in stdout + stderr:
+        return f"a traceback: {stderr[-1500:]}"
+    if rc == 0:
+        return None
+    if rc != 2:
+        return f"exit {rc}: {stderr[-1500:]}"
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    if len(lines) != 1:
+        return f"{len(lines)} stderr lines: {stderr[-1500:]}"
+    missing = [w for w in ("open-file limit", "RLIMIT_NOFILE", "ulimit -n") if w not in lines[0]]
+    if missing:
+        return f"the line names no {missing}: {lines[0]}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """A promoted tiny checkpoint, a live raw daemon serving it under
+    ``sock``, and an empty socket root ``fresh`` for starts."""
+    base = tmp_path_factory.mktemp("nofile")
+    # A seed of its own: the digest (and so the socket dir) is no other test's.
+    ckpt = write_tiny(base / "ckpt", seed=2511)
+    sock, fresh, cache = short_tempdir("pg-nf-"), short_tempdir("pg-nf-"), base / "cache"
+    cache.mkdir(mode=0o700)
+    promote_checkpoint(ckpt, sock, cache)
+    daemon = RawDaemon(ckpt, sock, cache, entry="cli", extra_args=("--no-fd-store",)).start()
+    try:
+        yield {"ckpt": ckpt, "sock": sock, "fresh": fresh, "cache": cache}
+    finally:
+        daemon.stop()
+
+
+def _env(world: dict[str, Path], root: Path) -> dict[str, str]:
+    env = dict(os.environ, PRELOAD_GATE_CACHE=str(world["cache"]), PRELOAD_GATE_SOCKET_ROOT=str(root),
+               PYTHONPATH=repo_pythonpath())
+    env.pop("PRELOAD_GATE_EVENTS", None)
+    env[PARENT_PID_ENV] = str(os.getpid())  # --exit-with-parent: a start ends with this test
+    return env
+
+
+def _limited(n: int, argv: list[str]) -> list[str]:
+    # bash's ulimit -n sets the soft and the hard limit: nothing can raise it back.
+    return ["bash", "-c", f'ulimit -n {n} && exec "$0" "$@"', *argv]
+
+
+def run_verb(world: dict[str, Path], n: int, verb: str) -> tuple[int, str, str]:
+    ckpt = str(world["ckpt"])
+    argv = {
+        "preload --dry-run": ["preload", ckpt, "--stage", "raw", "--dry-run"],
+        "status": ["status"],
+        "stop": ["stop", ckpt, "--socket-root", str(world["fresh"])],  # nothing there: a no-op that looks
+        "promote": ["promote", ckpt],
+    }[verb]
+    root = world["fresh"] if verb == "stop" else world["sock"]
+    p = subprocess.run(_limited(n, [sys.executable, "-m", "preload_gate", *argv]), capture_output=True,
+                       text=True, env=_env(world, root), cwd=REPO, timeout=120)
+    return p.returncode, p.stdout, p.stderr
+
+
+def start_preload(world: dict[str, Path], n: int) -> tuple[int, str, str]:
+    """``preload CKPT --stage raw`` under the limit: exit 0 once it printed its
+    ready line (then stopped), else its exit status and output."""
+    errpath = world["cache"].parent / f"start-{n}-{time.monotonic_ns()}.stderr"
+    argv = [sys.executable, "-m", "preload_gate", "preload", str(world["ckpt"]), "--stage", "raw",
+            "--no-fd-store", "--exit-with-parent"]
+    with open(errpath, "w") as err:
+        proc = subprocess.Popen(_limited(n, argv), stdout=subprocess.PIPE, stderr=err, text=True,
+                                env=_env(world, world["fresh"]), cwd=REPO)
+    assert proc.stdout is not None
+    out, end = "", time.monotonic() + READY_S
+    while time.monotonic() < end and proc.poll() is None and '"ready"' not in out:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            out += proc.stdout.readline()
+    ready = '"ready"' in out
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    out += proc.stdout.read()
+    stderr = errpath.read_text()
+    if ready:
+        return 0, out, "" if "Traceback" not in stderr else stderr
+    return proc.returncode, out, stderr
+
+
+VERBS = ("preload --dry-run", "status", "stop", "preload")
+
+
+@pytest.mark.parametrize("n", LIMITS)
+@pytest.mark.parametrize("verb", VERBS)
+def test_a_tight_open_file_limit_is_one_line_or_success(world: dict[str, Path], verb: str, n: int) -> None:
+    watched = (world["cache"], world["sock"], world["fresh"])
+    before = _tree(*watched)
+    rc, out, err = start_preload(world, n) if verb == "preload" else run_verb(world, n, verb)
+    problem = judge(rc, out, err)
+    assert problem is None, f"ulimit -n {n}; preload-gate {verb}: {problem}"
+    if rc == 2:
+        assert _tree(*watched) == before, f"new on disk: {sorted(_tree(*watched) - before)}"
+
+
+def test_promote_at_a_tight_limit_is_one_line_and_writes_no_manifest(world: dict[str, Path]) -> None:
+    # Its vLLM import (the file selection) opens many files: 5 runs out there.
+    before = _tree(world["cache"])
+    rc, out, err = run_verb(world, 5, "promote")
+    assert judge(rc, out, err) is None, err[-2000:]
+    if rc == 2:
+        assert _tree(world["cache"]) == before
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_control_every_verb_passes_at_a_sufficient_limit(world: dict[str, Path], verb: str) -> None:
+    rc, out, err = start_preload(world, ENOUGH) if verb == "preload" else run_verb(world, ENOUGH, verb)
+    assert rc == 0 and "Traceback" not in err, err[-2000:]
+
+
+RAW_EMFILE = "import os\nwhile True:\n    os.open('/dev/null', os.O_RDONLY)\n"
+
+
+@pytest.mark.parametrize(("stub", "why"), [
+    (RAW_EMFILE, "traceback"),
+    ("import sys; print('first\\nsecond: ulimit -n RLIMIT_NOFILE open-file limit', file=sys.stderr); "
+     "sys.exit(2)", "stderr lines"),
+    ("import sys; print('error: too many open files', file=sys.stderr); sys.exit(2)", "names no"),
+])
+def test_control_the_checker_rejects_a_raw_emfile_and_vague_lines(stub: str, why: str) -> None:
+    p = subprocess.run(_limited(12, [sys.executable, "-c", stub]), capture_output=True, text=True, timeout=60)
+    problem = judge(p.returncode, p.stdout, p.stderr)
+    assert problem is not None and why in problem, problem
