@@ -178,3 +178,149 @@ def test_control_the_checker_rejects_a_raw_emfile_and_vague_lines(stub: str, why
     p = subprocess.run(_limited(12, [sys.executable, "-c", stub]), capture_output=True, text=True, timeout=60)
     problem = judge(p.returncode, p.stdout, p.stderr)
     assert problem is not None and why in problem, problem
+
+
+# Where a failure used to be worded as something else, at the limit: each
+# call runs once with no descriptor free (it must name the limit: raise
+# EMFILE, or answer with the limit) and once with room (its ordinary answer,
+# the control). One child, all rows: the limit is the kernel's, not a mock.
+WRAPS = r"""
+import errno, json, os, resource, sys, tempfile
+from pgbase.oscause import file_limit
+from preload.daemon.lock import lock_holder
+from preload.daemon.registry import start_ticks
+from preload.extras import import_for
+from preload.identity import uring
+empty = tempfile.mkdtemp()
+rows = {
+    "lock_holder": lambda: lock_holder(empty, 0),
+    "start_ticks": lambda: start_ticks(os.getpid()),
+    "import_for": lambda: import_for("harness.verdict").__name__,
+    "uring": lambda: uring.unavailable(),
+}
+out = {}
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+for name, call in rows.items():
+    got = {}
+    for phase in ("limit", "room"):
+        if phase == "limit":
+            limit_to(0, hard_extra=None)
+        try:
+            value = call()
+            got[phase] = {"value": value if value is None or isinstance(value, (str, int)) else repr(value)}
+        except Exception as exc:
+            got[phase] = {"raised": type(exc).__name__, "errno": getattr(exc, "errno", None),
+                          "limit": file_limit(exc) is not None, "text": str(exc)}
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    out[name] = got
+report(**out)
+"""
+
+
+@pytest.fixture(scope="module")
+def wraps() -> dict:
+    from fd_limit_support import PRELUDE, run_child
+
+    got, _ = run_child(PRELUDE + WRAPS)
+    return got
+
+
+def _names_the_limit(result: dict) -> bool:
+    return result.get("limit") is True and result.get("errno") in (24, 23)
+
+
+@pytest.mark.parametrize(("row", "room"), [
+    ("lock_holder", None),  # no lock file: free; at the limit, never "free"
+    ("start_ticks", "int"),  # our own process: alive; at the limit, never "gone"
+    ("import_for", "harness.verdict"),  # at the limit, not "failed to import (reinstall)" nor a missing extra
+])
+def test_a_call_at_the_limit_names_it_and_answers_with_room(wraps: dict, row: str, room: object) -> None:
+    assert _names_the_limit(wraps[row]["limit"]), wraps[row]
+    got = wraps[row]["room"]
+    assert "raised" not in got, got
+    assert (isinstance(got["value"], int) if room == "int" else got["value"] == room), got
+
+
+def test_io_uring_is_not_given_up_for_good_at_the_limit(wraps: dict) -> None:
+    # At the limit the pool serves (a reason comes back); with room again the ring is set up.
+    assert wraps["uring"]["limit"].get("value"), wraps["uring"]
+    if "Too many open files" not in wraps["uring"]["limit"]["value"]:
+        pytest.skip(f"io_uring is refused here for another reason: {wraps['uring']['limit']['value']}")
+    assert wraps["uring"]["room"] == {"value": None}, wraps["uring"]
+
+
+def test_file_limit_finds_the_limit_in_a_chain_and_nothing_else() -> None:
+    import errno
+
+    from pgbase.oscause import OPEN_FILES, SYSTEM_FILES, file_limit
+
+    def chained(inner: BaseException) -> BaseException:
+        try:
+            try:
+                raise inner
+            except OSError as exc:
+                raise RuntimeError("a library's wrapper") from exc
+        except RuntimeError as outer:
+            return outer
+
+    cause = file_limit(chained(OSError(errno.EMFILE, "Too many open files")))
+    assert cause is not None and cause.kind == OPEN_FILES
+    assert "RLIMIT_NOFILE" in cause.text and "ulimit -n" in cause.text and "LimitNOFILE=" in cause.text
+    system = file_limit(chained(OSError(errno.ENFILE, "Too many open files in system")))
+    assert system is not None and system.kind == SYSTEM_FILES
+    # Rust's io::Error, as safetensors words a failure it kept.
+    assert file_limit(RuntimeError("Too many open files (os error 24)")) is not None
+    # Controls: another errno, no errno, and a cycle end in None.
+    assert file_limit(chained(OSError(errno.ENOENT, "No such file or directory"))) is None
+    assert file_limit(ValueError("bad header")) is None
+    loop = ValueError("a")
+    loop.__context__ = ValueError("b")
+    loop.__context__.__context__ = loop
+    assert file_limit(loop) is None
+
+
+def _rank_main(monkeypatch: pytest.MonkeyPatch, failure: BaseException) -> tuple[int, dict]:
+    """The rank process's main, its serving replaced by ``failure``: its exit
+    status and its one announced line."""
+    import io
+    import json
+
+    from preload.daemon import rank
+
+    def serve(*_: object) -> bool:
+        raise failure
+
+    monkeypatch.setattr(rank, "serve_rank", serve)
+    monkeypatch.setattr(rank.RankConfig, "from_json", staticmethod(lambda obj: obj))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("{}\n"))
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # pytest's own handlers stay
+    rc = rank.main()
+    return rc, json.loads(out.getvalue().strip().splitlines()[-1])
+
+
+def test_a_rank_at_the_limit_announces_the_line_without_a_traceback(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import errno
+
+    try:
+        try:
+            raise OSError(errno.EMFILE, "Too many open files")
+        except OSError as exc:
+            raise RuntimeError("torch: cannot create the shared-memory file") from exc
+    except RuntimeError as wrapped:
+        failure = wrapped
+    rc, line = _rank_main(monkeypatch, failure)
+    assert rc == 2 and line["event"] == "rank_error", line
+    assert "open-file limit" in line["error"] and "ulimit -n" in line["error"], line
+    assert not [r for r in caplog.records if r.exc_info], "a traceback in the rank's log"
+
+
+def test_control_a_rank_failing_otherwise_keeps_its_traceback(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    rc, line = _rank_main(monkeypatch, RuntimeError("a bug"))
+    assert rc == 2 and line["event"] == "rank_error" and "a bug" in line["error"], line
+    assert "open-file limit" not in line["error"]
+    assert [r for r in caplog.records if r.exc_info], "a bug's traceback belongs in the log"
