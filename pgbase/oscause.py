@@ -11,8 +11,9 @@ message built from a library's or the OS's failure goes through
 
 1. the errno the exception carries (our own ``open``/``os.*`` calls);
 2. else the one Rust's ``io::Error`` prints (``(os error N)``, how safetensors
-   words an OS failure it kept), or ENOMEM for a ``MemoryError`` or torch's
-   allocator failure;
+   words an OS failure it kept), the open-file limit where a C++ library
+   printed its strerror (gloo's ``pipe: Too many open files``), or ENOMEM
+   for a ``MemoryError`` or torch's allocator failure;
 3. else, and for a library's ENOENT, an open of the path made now, whose
    errno is the truth (EMFILE while the caller still holds its files,
    EACCES, ENOENT only if the file really is missing).
@@ -51,6 +52,9 @@ CONNECT_KINDS = (NO_LISTENER, MISSING, BUSY, PERMISSION, OTHER)
 
 # Rust's std::io::Error Display: "<message> (os error <errno>)".
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+# A C/C++ library that words the errno with strerror and keeps no number
+# (gloo: "pipe: Too many open files"); the system's own wording, longest first.
+_STRERROR = tuple((os.strerror(code), code) for code in (errno.ENFILE, errno.EMFILE))
 # torch's CPU allocator: "DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes".
 _TORCH_OOM = re.compile(r"can't allocate memory|out of memory", re.IGNORECASE)
 
@@ -192,6 +196,9 @@ def _errno_of(exc: BaseException) -> int | None:
     m = _RUST_OS_ERROR.search(str(exc))
     if m:
         return int(m.group(1))
+    for text, by_text in _STRERROR:
+        if text in str(exc):
+            return by_text
     if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and _TORCH_OOM.search(str(exc))):
         return errno.ENOMEM
     return None

@@ -271,6 +271,11 @@ def test_file_limit_finds_the_limit_in_a_chain_and_nothing_else() -> None:
     assert system is not None and system.kind == SYSTEM_FILES
     # Rust's io::Error, as safetensors words a failure it kept.
     assert file_limit(RuntimeError("Too many open files (os error 24)")) is not None
+    # A C++ library's strerror with no number (gloo, at vLLM's process-group init in a rank).
+    gloo = RuntimeError("[enforce fail at gloo/transport/tcp/loop.cc:48] rv != -1. -1 vs -1. pipe: Too many open files")
+    assert (file_limit(gloo) or system).kind == OPEN_FILES
+    in_system = file_limit(RuntimeError("socket: Too many open files in system"))
+    assert in_system is not None and in_system.kind == SYSTEM_FILES
     # Controls: another errno, no errno, and a cycle end in None.
     assert file_limit(chained(OSError(errno.ENOENT, "No such file or directory"))) is None
     assert file_limit(ValueError("bad header")) is None
