@@ -190,9 +190,10 @@ from pgbase.oscause import file_limit
 from preload.daemon.lock import lock_holder
 from preload.daemon.registry import start_ticks
 from preload.extras import import_for
-from preload.identity import uring
+from preload.identity import answer_files, uring
 empty = tempfile.mkdtemp()
 rows = {
+    "answer_files": lambda: ",".join(answer_files.select(sys.argv[1])) or "none",
     "lock_holder": lambda: lock_holder(empty, 0),
     "start_ticks": lambda: start_ticks(os.getpid()),
     "import_for": lambda: import_for("harness.verdict").__name__,
@@ -219,10 +220,10 @@ report(**out)
 
 
 @pytest.fixture(scope="module")
-def wraps() -> dict:
+def wraps(tiny_ckpt: Path) -> dict:
     from fd_limit_support import PRELUDE, run_child
 
-    got, _ = run_child(PRELUDE + WRAPS)
+    got, _ = run_child(PRELUDE + WRAPS, tiny_ckpt)
     return got
 
 
@@ -234,11 +235,15 @@ def _names_the_limit(result: dict) -> bool:
     ("lock_holder", None),  # no lock file: free; at the limit, never "free"
     ("start_ticks", "int"),  # our own process: alive; at the limit, never "gone"
     ("import_for", "harness.verdict"),  # at the limit, not "failed to import (reinstall)" nor a missing extra
+    ("answer_files", "ANSWERS"),  # at the limit, not "none" (a key without them names other content)
 ])
 def test_a_call_at_the_limit_names_it_and_answers_with_room(wraps: dict, row: str, room: object) -> None:
     assert _names_the_limit(wraps[row]["limit"]), wraps[row]
     got = wraps[row]["room"]
     assert "raised" not in got, got
+    if room == "ANSWERS":
+        assert got["value"] != "none", got  # the tiny checkpoint has a tokenizer and a generation config
+        return
     assert (isinstance(got["value"], int) if room == "int" else got["value"] == room), got
 
 
