@@ -191,8 +191,10 @@ from preload.daemon.lock import lock_holder
 from preload.daemon.registry import start_ticks
 from preload.extras import import_for
 from preload.identity import answer_files, uring
+from preload.identity.filestat import filesystem_type_of_dev
 empty = tempfile.mkdtemp()
 rows = {
+    "filesystem_type": lambda: filesystem_type_of_dev(os.stat(sys.argv[1]).st_dev) or "unknown",
     "answer_files": lambda: ",".join(answer_files.select(sys.argv[1])) or "none",
     "lock_holder": lambda: lock_holder(empty, 0),
     "start_ticks": lambda: start_ticks(os.getpid()),
@@ -235,14 +237,16 @@ def _names_the_limit(result: dict) -> bool:
     ("lock_holder", None),  # no lock file: free; at the limit, never "free"
     ("start_ticks", "int"),  # our own process: alive; at the limit, never "gone"
     ("import_for", "harness.verdict"),  # at the limit, not "failed to import (reinstall)" nor a missing extra
+    ("filesystem_type", "KNOWN"),  # at the limit, not "unknown" (a tmpfs would pass as stat-safe)
     ("answer_files", "ANSWERS"),  # at the limit, not "none" (a key without them names other content)
 ])
 def test_a_call_at_the_limit_names_it_and_answers_with_room(wraps: dict, row: str, room: object) -> None:
     assert _names_the_limit(wraps[row]["limit"]), wraps[row]
     got = wraps[row]["room"]
     assert "raised" not in got, got
-    if room == "ANSWERS":
-        assert got["value"] != "none", got  # the tiny checkpoint has a tokenizer and a generation config
+    if room in ("ANSWERS", "KNOWN"):
+        # the tiny checkpoint has a tokenizer and a generation config, on a mounted filesystem
+        assert got["value"] not in ("none", "unknown"), got
         return
     assert (isinstance(got["value"], int) if room == "int" else got["value"] == room), got
 
