@@ -11,8 +11,9 @@ message built from a library's or the OS's failure goes through
 
 1. the errno the exception carries (our own ``open``/``os.*`` calls);
 2. else the one Rust's ``io::Error`` prints (``(os error N)``, how safetensors
-   words an OS failure it kept), or ENOMEM for a ``MemoryError`` or torch's
-   allocator failure;
+   words an OS failure it kept), the open-file limit where a C++ library
+   printed its strerror (gloo's ``pipe: Too many open files``), or ENOMEM
+   for a ``MemoryError`` or torch's allocator failure;
 3. else, and for a library's ENOENT, an open of the path made now, whose
    errno is the truth (EMFILE while the caller still holds its files,
    EACCES, ENOENT only if the file really is missing).
@@ -51,6 +52,9 @@ CONNECT_KINDS = (NO_LISTENER, MISSING, BUSY, PERMISSION, OTHER)
 
 # Rust's std::io::Error Display: "<message> (os error <errno>)".
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+# A C/C++ library that words the errno with strerror and keeps no number
+# (gloo: "pipe: Too many open files"); the system's own wording, longest first.
+_STRERROR = tuple((os.strerror(code), code) for code in (errno.ENFILE, errno.EMFILE))
 # torch's CPU allocator: "DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes".
 _TORCH_OOM = re.compile(r"can't allocate memory|out of memory", re.IGNORECASE)
 
@@ -99,6 +103,47 @@ def explain(exc: BaseException, path: str | os.PathLike[str] | None = None) -> C
 def describe(exc: BaseException, path: str | os.PathLike[str] | None = None) -> str:
     """``explain(exc, path).text``: the reason to put in a message."""
     return explain(exc, path).text
+
+
+# The errnos of a full descriptor table: this process's (RLIMIT_NOFILE) or the system's.
+FILE_LIMIT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE})
+
+
+def file_limit(exc: BaseException) -> Cause | None:
+    """The open-file limit ``exc`` ran into, or None: ``exc`` itself or any
+    exception it was raised from or during (``__cause__``, ``__context__``)
+    carries EMFILE or ENFILE. Ask it before a handler words a failure some
+    other way ("no daemon answers", "module failed to import", a
+    traceback): at the limit every open fails, and only the limit is the
+    cause.
+
+    >>> file_limit(OSError(errno.EMFILE, "Too many open files")).kind  # doctest: +SKIP
+    'open_files'
+    """
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if _errno_of(e) in FILE_LIMIT_ERRNOS:
+            return explain(e)
+        todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
+    return None
+
+
+def file_limit_now() -> Cause | None:
+    """The open-file limit this process is at now (an open fails with EMFILE
+    or ENFILE), or None. For a failure whose cause a library dropped (an
+    import whose directory listing failed reads as ``ModuleNotFoundError``),
+    asked while the caller still holds what it holds."""
+    try:
+        fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        return explain(exc) if exc.errno in FILE_LIMIT_ERRNOS else None
+    os.close(fd)
+    return None
 
 
 def reason(exc: BaseException, path: str | os.PathLike[str] | None = None) -> str:
@@ -151,6 +196,9 @@ def _errno_of(exc: BaseException) -> int | None:
     m = _RUST_OS_ERROR.search(str(exc))
     if m:
         return int(m.group(1))
+    for text, by_text in _STRERROR:
+        if text in str(exc):
+            return by_text
     if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and _TORCH_OOM.search(str(exc))):
         return errno.ENOMEM
     return None

@@ -20,9 +20,11 @@ install is never a verb or a row that silently is not there:
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
 from pgbase.errors import PreloadGateError
+from pgbase.oscause import file_limit, file_limit_now
 
 # pyproject's [project.optional-dependencies] (tests/unit/test_cli_verbs.py
 # holds them equal to the installed distribution's Provides-Extra).
@@ -57,16 +59,25 @@ def import_for(module: str, extra: str = "") -> ModuleType:
 
     Raises ``ExtraMissingError`` when a marked module lacks a third-party
     module (skip it, saying why), ``ModuleLoadError`` for every other import
-    failure, and ``ValueError`` for an ``extra`` pyproject does not declare.
+    failure, ``ValueError`` for an ``extra`` pyproject does not declare, and
+    ``OSError`` (EMFILE/ENFILE) when the import ran into the open-file limit
+    (no fault of the module's: :func:`pgbase.oscause.file_limit` names it).
     """
     if extra and extra not in EXTRAS:
         raise ValueError(f"{module}: unknown extra {extra!r}; pyproject declares {', '.join(EXTRAS)}")
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
+        # At the open-file limit the import system cannot list a directory
+        # and reports the module missing: neither an extra nor a bad install.
+        limit = file_limit_now()
+        if limit is not None and limit.errno is not None:
+            raise OSError(limit.errno, f"importing {module}: {os.strerror(limit.errno)}") from exc
         missing = (exc.name or "").partition(".")[0]
         if extra and missing and missing not in OWN_PACKAGES:
             raise ExtraMissingError(module, extra, exc) from exc
         raise ModuleLoadError(module, exc) from exc
     except Exception as exc:
+        if file_limit(exc) is not None:
+            raise  # the limit, not the module: said as such by the caller (the CLI's one line)
         raise ModuleLoadError(module, exc) from exc

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from pgbase.oscause import file_limit
+
 
 def build_meta_model(checkpoint: str | os.PathLike[str]) -> Any:
     """The checkpoint's model class from its config, parameters on meta.
@@ -45,6 +47,7 @@ def build_meta_model(checkpoint: str | os.PathLike[str]) -> Any:
     # (its eos/bos ids steer min_new_tokens and stopping); so must we.
     try:
         model.generation_config = GenerationConfig.from_pretrained(str(checkpoint))
-    except OSError:
-        pass
+    except OSError as exc:
+        if file_limit(exc) is not None:
+            raise  # not "no generation_config.json": decoding would quietly differ
     return model.eval()

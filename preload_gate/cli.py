@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from pgbase.errors import PreloadGateError
+from pgbase.oscause import file_limit
 from preload.extras import ExtraMissingError, ModuleLoadError, import_for
 
 
@@ -129,6 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except Exception as exc:
+        # Out of descriptors anywhere (an import, a pipe to a rank, a socket,
+        # a shard): the limit is the cause, whatever the step that hit it.
+        cause = file_limit(exc)
+        if cause is None:
+            raise
+        verb = next((a for a in (sys.argv[1:] if argv is None else argv) if a in VERBS), None)
+        print(f"preload-gate{' ' + verb if verb else ''}: error: {cause.text}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         parser = build_parser()
     except VerbTableError as exc:

@@ -156,15 +156,6 @@ class Launcher:
         :class:`StartInterruptedError`; a model load can take minutes.
         """
         opts = self.opts
-        for p, cfg in rank_orders(opts):
-            env = dict(os.environ)
-            if cfg.cpus:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cfg.cpus))
-            fds: list[int] = []
-            if self.inherited is not None:
-                env.update(self.inherited.child_env())
-                fds = self.inherited.all_fds()
-            self.procs.append((p, start_rank(cfg.to_json(), env=env, pass_fds=fds)))
 
         def check_interrupted() -> None:
             reason = interrupted()
@@ -172,6 +163,17 @@ class Launcher:
                 raise StartInterruptedError(f"stopped before every rank served: {reason}")
 
         try:
+            # Inside the try: a rank that cannot be started (no descriptor
+            # left for its pipes) stops the ones already started.
+            for p, cfg in rank_orders(opts):
+                env = dict(os.environ)
+                if cfg.cpus:
+                    env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cfg.cpus))
+                fds: list[int] = []
+                if self.inherited is not None:
+                    env.update(self.inherited.child_env())
+                    fds = self.inherited.all_fds()
+                self.procs.append((p, start_rank(cfg.to_json(), env=env, pass_fds=fds)))
             lines = ReadyLines({p.global_rank: proc for p, proc in self.procs},
                                other=lambda line: print(line, file=sys.stderr))
             try:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pgbase.errors import PreloadGateError
 from pgbase.lockfile import LockFileError, open_lock_file
-from pgbase.oscause import BUSY, connect_cause
+from pgbase.oscause import BUSY, FILE_LIMIT_ERRNOS, connect_cause
 
 
 class RankBusyError(PreloadGateError):
@@ -56,7 +56,9 @@ def lock_holder(directory: str | os.PathLike[str], global_rank: int) -> str | No
     """The pid written in the rank's lock file when a live process holds it; None when free or absent."""
     try:
         fd = os.open(lock_path(directory, global_rank), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+    except OSError as exc:
+        if exc.errno in FILE_LIMIT_ERRNOS:
+            raise  # not "free": a held rank would read as free
         return None
     try:
         try:

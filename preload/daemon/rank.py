@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pgbase.errors import PreloadGateError
-from pgbase.oscause import reason
+from pgbase.oscause import file_limit, reason
 from preload.daemon.adopt import Outcome, deposit, expected_key, try_adopt
 from preload.daemon.fdstore import FdStore, FdStoreError, open_store
 from preload.daemon.home import remove_if_empty
@@ -310,10 +310,14 @@ def main() -> int:
         if serve_rank(cfg, stop, announce, parent):
             return HANDED_OVER_EXIT
     except Exception as exc:
-        if not isinstance(exc, PreloadGateError):
+        # Out of descriptors (before the budget check could speak: an import,
+        # a pipe, a socket): the limit is the whole story, in the launcher's
+        # one line, with no traceback in the log.
+        limit = None if isinstance(exc, PreloadGateError) else file_limit(exc)
+        if not isinstance(exc, PreloadGateError) and limit is None:
             log.exception("rank failed")
         # A failure of the system's (no memory, no descriptor) is named by its cause.
-        error = str(exc) if isinstance(exc, PreloadGateError) else reason(exc)
+        error = str(exc) if isinstance(exc, PreloadGateError) else limit.text if limit else reason(exc)
         announce({"event": "rank_error", "error": error, "type": type(exc).__name__})
         return 2
     return 0

@@ -36,6 +36,7 @@ from typing import Any
 
 from pgbase import atomic
 from pgbase.errors import InsecureSocketError
+from pgbase.oscause import FILE_LIMIT_ERRNOS
 from preload import trust
 from preload.daemon.home import inode_of, unlink_if
 
@@ -55,7 +56,9 @@ def start_ticks(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
-    except OSError:
+    except OSError as exc:
+        if exc.errno in FILE_LIMIT_ERRNOS:
+            raise  # not "no such process": a live daemon's entry would read as stale and be dropped
         return None
     # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
     fields = data.rsplit(b")", 1)[-1].split()

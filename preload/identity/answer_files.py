@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from pgbase.oscause import FILE_LIMIT_ERRNOS
 from preload.identity.digest import hash_file
 
 # transformers' tokenizer files besides the class's own (tokenization_utils_base
@@ -232,7 +233,9 @@ def select(checkpoint: str | os.PathLike[str], answer_rule: AnswerFileRule = RUL
     root = Path(checkpoint)
     try:
         top = [e.name for e in os.scandir(root) if e.is_file()]
-    except OSError:
+    except OSError as exc:
+        if exc.errno in FILE_LIMIT_ERRNOS:
+            raise  # not "no answer files": a key without them would name other content
         return []
     picked = {n for n in top if n in answer_rule.names or _MISTRAL_FILE.fullmatch(n)}
     listed = _read_json(root / "tokenizer_config.json").get("fast_tokenizer_files")

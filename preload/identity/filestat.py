@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pgbase.oscause import FILE_LIMIT_ERRNOS
 from preload.identity import stat_pool, uring
 from preload.identity.stat_pool import (
     MAX_STATS_IN_FLIGHT,
@@ -133,7 +134,9 @@ def filesystem_type_of_dev(dev: int) -> str:
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
-    except OSError:
+    except OSError as exc:
+        if exc.errno in FILE_LIMIT_ERRNOS:
+            raise  # not "unknown": a tmpfs would pass for a filesystem whose stat sees every edit
         return ""
     for line in lines:
         left, sep, right = line.partition(" - ")

@@ -34,6 +34,8 @@ import struct
 import threading
 from collections.abc import Sequence
 
+from pgbase.oscause import FILE_LIMIT_ERRNOS
+
 # Syscall numbers (io_uring_setup, _enter, _register) where the ring is used.
 # Only x86_64: reading a completion needs its ring tail loaded with acquire
 # order, which Python cannot ask for; x86's total store order gives it to
@@ -235,6 +237,14 @@ def _get() -> tuple[_Ring | None, str | None]:
             try:
                 _ring = _Ring(MAX_ENTRIES, MAX_ENTRIES)
             except OSError as exc:
+                if exc.errno in FILE_LIMIT_ERRNOS:
+                    # No descriptor for the ring now: the pool serves this
+                    # call, a later one tries again. Not the kernel's refusal,
+                    # so no line of its own (a verb that runs out for good
+                    # says so in one line: preload_gate.cli).
+                    why = exc.strerror or str(exc)
+                    _log.debug("io_uring setup: %s; the thread pool serves this call", why)
+                    return None, why
                 _refused = exc.strerror or str(exc)
         if _refused is not None:
             _log.info("preload-gate: stats through io_uring unavailable (%s); using the thread pool", _refused)
