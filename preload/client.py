@@ -132,15 +132,27 @@ class DaemonClient:
     ) -> DaemonClient:
         path = socket_path(directory, global_rank)
         verify_socket(path)
-        sock = _connect(path, timeout_s)
-        c = cls(sock, path, deadline_s)
-        try:
-            c.hello = c.request(protocol.hello_request(client, os.getpid()))
-            protocol.check_version(c.hello.get("protocol"))
-        except BaseException:
-            c.close()
-            raise
-        return c
+        end = time.monotonic() + timeout_s
+        pause = _BUSY_RETRY_S[0]
+        while True:
+            sock = _connect(path, max(end - time.monotonic(), 0.001))
+            c = cls(sock, path, deadline_s)
+            try:
+                c.hello = c.request(protocol.hello_request(client, os.getpid()))
+                protocol.check_version(c.hello.get("protocol"))
+                return c
+            except DaemonBusyError as exc:  # at its connection cap: retried as a full backlog is
+                c.close()
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise DaemonBusyError(f"the daemon at {path} is busy: {exc}; connects retried for "
+                                          f"{timeout_s:g} s; retry, connect fewer engines at once, or allow a "
+                                          "longer connect timeout") from exc
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, _BUSY_RETRY_S[1] * 4)
+            except BaseException:
+                c.close()
+                raise
 
     def request(self, body: dict[str, Any]) -> dict[str, Any]:
         frame = self._exchange(body)

@@ -43,7 +43,7 @@ from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
-from pgbase.errors import ProtocolError
+from pgbase.errors import DaemonBusyError, ProtocolError
 from preload.identity.key import PROTOCOL_VERSION
 
 MAX_FRAME_BYTES = 64 << 20
@@ -136,6 +136,10 @@ class _Mismatch(_Reply, tag="mismatch"):
 
 class _Error(_Reply, tag="error"):
     error: Any = "no reason given"
+
+
+class _Busy(_Reply, tag="busy"):
+    error: Any = "busy"
 
 
 @dataclass
@@ -304,16 +308,19 @@ def check_request(body: dict[str, Any]) -> str:
 
 
 def check_reply(body: dict[str, Any], cmd: str) -> dict[str, Any]:
-    """Validate a reply's envelope; an ``error`` reply becomes ProtocolError."""
+    """Validate a reply's envelope; an ``error`` reply becomes ProtocolError,
+    a ``busy`` one (:func:`busy_reply`) DaemonBusyError."""
     status = body.get("status")
     try:
-        reply = msgspec.convert(body, _Ok | _Mismatch | _Error)
+        reply = msgspec.convert(body, _Ok | _Mismatch | _Error | _Busy)
     except msgspec.ValidationError as exc:
         if status == "mismatch":
             raise ProtocolError(f"{cmd}: mismatch reply lacks a list of field names ({exc})") from exc
         raise ProtocolError(f"{cmd}: reply has no valid status (got {status!r})") from exc
     if isinstance(reply, _Error):
         raise ProtocolError(f"daemon refused {cmd}: {reply.error}")
+    if isinstance(reply, _Busy):
+        raise DaemonBusyError(str(reply.error))
     return body
 
 
@@ -342,3 +349,10 @@ def check_version(peer_version: Any) -> None:
 
 def error_reply(message: str) -> dict[str, Any]:
     return {"status": "error", "error": message}
+
+
+def busy_reply(message: str) -> dict[str, Any]:
+    """The answer of a daemon at its connection cap to a newcomer's first
+    request: alive, with no room now (the client retries, then raises
+    :class:`pgbase.errors.DaemonBusyError`)."""
+    return {"status": "busy", "error": message}

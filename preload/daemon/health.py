@@ -35,6 +35,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -86,12 +87,19 @@ class RankReply(NamedTuple):
         return self.stats is not None or self.busy is not None
 
 
-def ask_rank(socket_path: str | Path) -> RankReply:
-    """A rank's ``stats`` answer, or why there is none (:class:`RankReply`)."""
+# /health answers within a Kubernetes probe's default timeoutSeconds (1 s):
+# a busy rank is retried for this long, every rank asked at once.
+PROBE_CONNECT_S = 0.5
+
+
+def ask_rank(socket_path: str | Path, connect_timeout_s: float = 2.0) -> RankReply:
+    """A rank's ``stats`` answer, or why there is none (:class:`RankReply`);
+    a busy rank is retried for ``connect_timeout_s`` seconds."""
     p = Path(socket_path)
     rank = int(p.stem.removeprefix("rank"))
     try:
-        c = DaemonClient.connect(p.parent, rank, timeout_s=2.0, deadline_s=5.0, client="preload-gate-health")
+        c = DaemonClient.connect(p.parent, rank, timeout_s=connect_timeout_s, deadline_s=5.0,
+                                 client="preload-gate-health")
     except DaemonBusyError as exc:
         return RankReply(None, busy=str(exc))
     except ProtocolError as exc:
@@ -385,7 +393,9 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/health":
             # A busy rank is alive (its backlog is full of engines connecting): a
             # liveness probe that restarted it would drop weights engines are mapping.
-            replies = [ask_rank(s) for s in self.server.sockets]
+            socks = self.server.sockets
+            with ThreadPoolExecutor(max_workers=max(1, len(socks))) as pool:
+                replies = list(pool.map(lambda s: ask_rank(s, PROBE_CONNECT_S), socks))
             ok = all(r.up for r in replies)
             busy = [s for s, r in zip(self.server.sockets, replies, strict=True) if r.busy]
             body = "unavailable\n" if not ok else f"ok: busy: {', '.join(busy)}\n" if busy else "ok\n"

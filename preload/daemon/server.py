@@ -33,6 +33,11 @@ from preload.sockets import ensure_private_dir, socket_path, verify_peer, verify
 
 log = logging.getLogger("preload.daemon")
 
+# How long the accept loop gives a newcomer past the cap to send its first
+# request before it is answered busy (or closed): a well-behaved client sends
+# its hello at once.
+CAP_ANSWER_S = 0.5
+
 
 class RankServer:
     """Serves one sealed arena on ``<socket_dir>/rank<N>.sock``."""
@@ -70,6 +75,7 @@ class RankServer:
         self._home: HomeWatch | None = None
         self.max_connections = MAX_CONNECTIONS
         self._fd_warned = -1e9
+        self._cap_warned = -1e9
         # Called once the arena is released on request (copy mode): the rank
         # drops it from the fd store too, or the store would keep it resident.
         self.on_release: Any = None
@@ -232,11 +238,37 @@ class RankServer:
                     continue
                 return  # the listener was closed (stop, rebind)
             with self._mutex:
-                if len(self._conns) >= self.max_connections:
-                    conn.close()
-                    continue
-                self._conns.add(conn)
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self._refuse_busy(conn)
+                continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _refuse_busy(self, conn: socket.socket) -> None:
+        """A newcomer past the cap: its first request answered ``busy``
+        (:func:`preload.protocol.busy_reply`), then closed. Closed unanswered,
+        the client could only say the daemon dropped it (an operator then
+        starts another, or believes it dead). At most CAP_ANSWER_S of the
+        accept loop for one that sends nothing."""
+        now = time.monotonic()
+        if now - self._cap_warned > 60:
+            self._cap_warned = now
+            log.warning("rank %d: at its cap of %d connections: newcomers are answered busy and retry (start "
+                        "fewer engines at once)", self.global_rank, self.max_connections)
+        try:
+            verify_peer(conn)  # another user's process is told nothing, not even busy
+            frame = protocol.recv_frame(conn, CAP_ANSWER_S, idle_s=CAP_ANSWER_S)
+            if frame is not None:
+                for fd in frame.fds:  # requests never carry descriptors
+                    os.close(fd)
+                protocol.send_frame(conn, protocol.busy_reply(
+                    f"at its cap of {self.max_connections} connections"), (), CAP_ANSWER_S)
+        except (OSError, PreloadGateError):
+            pass
+        finally:
+            conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         session: Session | None = None

@@ -12,14 +12,18 @@ rank must keep that apart from "nothing answers":
 - the engine's rank lookup on CUDA: a busy daemon may be on this GPU, so
   the miss is ``daemon_busy``, not "no daemon serves this GPU".
 
-The busy daemon is a real AF_UNIX listener with a full backlog
-(:class:`daemon_support.FullListener`); the control in each test is the same
-socket file with nothing listening behind it, which must read as down.
+A daemon is busy two ways: its listen backlog full (a real AF_UNIX listener,
+:class:`daemon_support.FullListener`), and a real raw daemon at its
+connection cap, which answers a newcomer's first request ``busy`` (it used to
+accept and close it: "dropped the connection", read as gone). The control in
+each test is the same socket with nothing listening behind it, or the same
+daemon once its connections close, which must read as down, or answer.
 """
 
 from __future__ import annotations
 
 import shutil
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -27,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon_support import FullListener, bind_private, short_dir
+from daemon_support import Daemon, FullListener, bind_private, short_dir
 from prometheus_client.parser import text_string_to_metric_families
 
 from pgbase.errors import DaemonBusyError
@@ -64,12 +68,16 @@ def _get(port: int, path: str) -> tuple[int, str]:
 
 
 def _probe(sock: Path) -> tuple[int, str, dict[str, float]]:
-    """``/health``'s status and body, and ``/metrics``' rank gauges, from a real health server on ``sock``."""
+    """``/health``'s status and body, and ``/metrics``' rank gauges, from a
+    real health server on ``sock``; /health answered within a Kubernetes
+    probe's default timeoutSeconds (1 s)."""
     server = health.HealthServer("127.0.0.1", 0, [str(sock)])
     server.start()
     try:
         port = server.port
+        t0 = time.monotonic()
         code, body = _get(port, "/health")
+        assert time.monotonic() - t0 < 1.0, f"/health took {time.monotonic() - t0:.2f} s"
         _, text = _get(port, "/metrics")
     finally:
         server.stop()
@@ -137,3 +145,45 @@ def test_the_engine_rank_lookup_says_busy_not_no_daemon(sdir: Path, monkeypatch:
     with pytest.raises(RankMissError) as missed:  # control: nothing listens: no daemon on this GPU
         find_rank(sdir, device)
     assert not isinstance(missed.value, DaemonBusyError) and "no daemon in" in str(missed.value), missed.value
+
+
+def test_a_daemon_at_its_connection_cap_is_busy_not_gone(tmp_path: Path) -> None:
+    import socket
+
+    from fixtures.tiny import write_tiny
+    from preload.budget import MAX_CONNECTIONS
+    from preload.client import DaemonClient
+
+    root = short_dir("pg-cap-")
+    daemon = Daemon(write_tiny(tmp_path / "ckpt"), root, tmp_path / "cache").start()
+    held: list[socket.socket] = []
+    try:
+        sock = daemon.socket_dir / "rank0.sock"
+        for _ in range(MAX_CONNECTIONS):  # accepted, silent: each holds a slot until the first-request deadline
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(sock))
+            held.append(s)
+        time.sleep(1.0)  # the accept loop has taken them all
+        t0 = time.monotonic()
+        with pytest.raises(DaemonBusyError) as caught:
+            DaemonClient.connect(daemon.socket_dir, 0, timeout_s=0.5).close()
+        assert "at its cap of" in str(caught.value) and "busy" in str(caught.value), caught.value
+        assert time.monotonic() - t0 < 5
+        reply = health.ask_rank(sock, 0.5)
+        assert reply.up and reply.busy and reply.stats is None, reply
+        code, body, gauges = _probe(sock)
+        assert code == 200 and body.startswith("ok: busy: "), (code, body)
+        assert gauges[health.PREFIX + "rank_busy"] == 1.0, gauges
+        for s in held:  # control: slots free again, the same daemon answers
+            s.close()
+        held.clear()
+        deadline = time.monotonic() + 10
+        while (answer := health.ask_rank(sock)).stats is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert answer.stats is not None and answer.busy is None, answer
+        assert daemon.proc is not None and daemon.proc.poll() is None
+    finally:
+        for s in held:
+            s.close()
+        daemon.stop()
+        shutil.rmtree(root, ignore_errors=True)

@@ -43,7 +43,7 @@ class Ranks:
     def __post_init__(self) -> None:
         self.hold.set()
 
-    def __call__(self, socket_path: object) -> health.RankReply:
+    def __call__(self, socket_path: object, connect_timeout_s: float = 2.0) -> health.RankReply:
         self.entered.set()
         assert self.hold.wait(30)
         return health.RankReply({"rank": 0, "digest": "ab" * 32})
