@@ -75,7 +75,10 @@ def _bench(args: argparse.Namespace) -> int:
         size_bytes=parse_size(args.size),
         params=given(args.param),
     )
-    only = [n for n in args.only.split(",") if n] if args.only else None
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
+    if only == []:  # an empty --only is a mistake, not "every row" (the heavy ones included)
+        raise BenchError(f"--only {args.only!r} names no row; name rows, comma-separated (preload-gate bench --list "
+                         "shows them), or leave --only out for every row")
     if args.skip_heavy and only:
         raise BenchError("--skip-heavy applies when no --only is given; name the rows you want instead")
     check_request(options, only, skip_heavy=args.skip_heavy)  # rows and --param values, before any directory

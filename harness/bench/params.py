@@ -179,17 +179,26 @@ def size(text: str) -> int:
 
 
 def _model(text: str) -> str:
-    if text in ("tiny", "smollm2") or Path(text).is_dir():
+    if text in ("tiny", "smollm2"):
         return text
-    raise argparse.ArgumentTypeError(f"{text!r} is neither tiny, smollm2 nor a directory")
+    if not text.strip():  # Path("") is the current directory
+        raise argparse.ArgumentTypeError("is empty; give tiny, smollm2 or a checkpoint directory")
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is neither tiny, smollm2 nor a directory")
+    if not any(Path(text).glob("*.safetensors")):
+        raise argparse.ArgumentTypeError(f"{text!r} holds no *.safetensors shard; give a checkpoint directory")
+    return text
 
 
-MODEL = Kind(_model, "tiny, smollm2 or a checkpoint directory", ("/no/such/model", "huge"), ("tiny", "smollm2"))
+MODEL = Kind(_model, "tiny, smollm2 or a checkpoint directory", ("/no/such/model", "huge", "", "/"),
+             ("tiny", "smollm2"))
 
 
 def _mutations(text: str) -> str:
     from harness.mutations import CaseSelectionError, select_cases
 
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; give all or comma-separated mutation cases")
     try:
         select_cases(text)
     except CaseSelectionError as exc:
@@ -198,7 +207,7 @@ def _mutations(text: str) -> str:
 
 
 # The gate's own case selection (``gate --mutations``), asked, not copied.
-MUTATIONS = Kind(_mutations, "all or comma-separated mutation cases", ("bogus", "identical_copy,bogus"),
+MUTATIONS = Kind(_mutations, "all or comma-separated mutation cases", ("bogus", "identical_copy,bogus", ""),
                  ("all", "identical_copy,zeroed_norm"))
 
 

@@ -172,6 +172,10 @@ BAD = [
     ("canary", ["canary", "check", "--base-url", "http://127.0.0.1:9", "--golden", "{base}/nope.json"], None,
      "nope.json"),
     ("bench", ["bench", "--only", "no_such_row"], None, "no_such_row"),
+    ("bench", ["bench", "--only", ""], None, "names no row"),  # was: every row, the heavy ones too
+    ("bench", ["bench", "--only", ","], None, "names no row"),
+    ("bench", ["bench", "--only", "gate_selftest", "--param", "mutations="], None, "is empty"),
+    ("bench", ["bench", "--only", "daemon_weight_load", "--param", "model="], None, "is empty"),  # was: the cwd
     # Row parameters (new-user F8): declared per row, refused before any row runs.
     ("bench", ["bench", "--only", "restart_identity", "--param", "shards=abc"], None,
      "bench row restart_identity: --param shards=abc: 'abc' is not an integer; allowed: an integer from 1 to "
