@@ -347,6 +347,9 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive for load balancers; 1.0 clients are answered as 1.0 wants
+    # Before a request's version is read (a malformed line, HTTP/2.0), http.server's
+    # default "HTTP/0.9" would answer its error with no status line or headers.
+    default_request_version = "HTTP/1.0"
     server_version = "preload-gate-health"
     timeout = IO_TIMEOUT_S
     server: _Server
@@ -418,7 +421,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self) -> str | None:
         """The request's path if it is ours (query string and an absolute
         form's scheme and host set aside); else 404 sent and None."""
-        path = urlsplit(self.path).path
+        target = self.path  # origin-form ("/health?x", "//x/health" a path too) or absolute-form
+        path = target.partition("?")[0] if target.startswith("/") else urlsplit(target).path
         if path in PATHS:
             return path
         self._send(404, f"not found: {path}; this server answers {' and '.join(PATHS)}\n".encode(),
