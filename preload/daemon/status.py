@@ -500,17 +500,49 @@ class _Fixes(NamedTuple):
     restart: str
 
 
+def _moved_cache(r: DaemonRecord) -> Path | None:
+    """The writable cache a fix promotes into when ``r``'s own cannot be
+    written (:func:`preload.identity.manifest.cache_instead`); else None."""
+    from preload.identity.manifest import cache_instead
+
+    instead = cache_instead(r.cache_dir) if r.cache_dir else None
+    return instead[1] if instead is not None else None
+
+
+def _with_cache(command: str, cache: Path) -> str:
+    """``command`` (a ``preload`` command :func:`_launcher_command` wrote)
+    with ``--cache-dir`` set to ``cache``."""
+    argv = shlex.split(command)
+    if "--cache-dir" in argv:
+        argv[argv.index("--cache-dir") + 1] = str(cache)
+    else:
+        argv += ["--cache-dir", str(cache)]
+    return shlex.join(argv)
+
+
 def _fixes(r: DaemonRecord) -> _Fixes:
     from preload.identity.manifest import promote_command
 
+    moved = _moved_cache(r)
     start = f"as this one was: {r.command}" if r.command else "with this one's settings"
     stop = f"stop this one (kill {r.launcher_pid})" if r.launcher_pid else "stop this one"
-    start_new = f"start a daemon for it ({start}) and {stop}"
-    if r.ports_held:  # the new daemon would refuse a port this one holds
-        start_new = (f"{stop} first (it holds {', '.join(r.ports_held)}, which the new daemon binds), then start "
-                     f"a daemon for it ({start})")
+
+    def start_new_as(how: str) -> str:
+        if r.ports_held:  # the new daemon would refuse a port this one holds
+            return (f"{stop} first (it holds {', '.join(r.ports_held)}, which the new daemon binds), then start "
+                    f"a daemon for it ({how})")
+        return f"start a daemon for it ({how}) and {stop}"
+
+    start_new = start_new_as(start)
     promote = (f"{promote_command(str(r.checkpoint), r.cache_dir)}; if it prints a digest other than "
                f"{short_digest(str(r.digest))}, {start_new}")
+    if moved is not None:
+        # The promote writes another cache: the new daemon must read that one (its start
+        # would refuse the read-only cache's stale manifest), and this one judges its own
+        # stale manifest whatever digest the promote prints: restart either way.
+        how = (f"as this one was, reading the cache the promote wrote: {_with_cache(r.command, moved)}"
+               if r.command else f"with this one's settings and --cache-dir {shlex.quote(str(moved))}")
+        promote = f"{promote_command(str(r.checkpoint), r.cache_dir)}; then {start_new_as(how)}"
     # The same digest: the new daemon needs this one's socket dir and rank lock.
     restart = (f"{stop} first, then start it again ({start}); no promote: the weights' digest is unchanged, "
                "and the new daemon reads config.json as it is now")

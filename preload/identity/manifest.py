@@ -171,16 +171,28 @@ def promote_command(checkpoint: object, cache_dir: str | os.PathLike[str] | None
     """
     cache = Path(cache_dir or default_cache_dir())
     ckpt = shlex.quote(os.path.abspath(checkpoint)) if isinstance(checkpoint, str | Path) else "CKPT"
-    why = cache_unwritable(cache) if verb == "promote" else None
-    if why is not None:
-        other = next((c for c in (default_cache_dir(), default_cache_dir(env=False))
-                      if os.path.abspath(c) != os.path.abspath(cache) and cache_unwritable(c) is None), None)
+    instead = cache_instead(cache) if verb == "promote" else None
+    if instead is not None:
+        why, other = instead
         to = shlex.quote(os.path.abspath(other)) if other is not None else "DIR"
         mine = "" if other is not None else "; DIR: a writable directory of yours"
         return (f"preload-gate {verb} {ckpt} --cache-dir {to} (the cache {os.path.abspath(cache)} {why}{mine}; "
                 f"engines read {'it' if other is None else 'the new one'} with PRELOAD_GATE_CACHE={to})")
     where = "" if cache == default_cache_dir(env=False) else f" --cache-dir {shlex.quote(os.path.abspath(cache))}"
     return f"preload-gate {verb} {ckpt}{where}"
+
+
+def cache_instead(cache_dir: str | os.PathLike[str]) -> tuple[str, Path | None] | None:
+    """None when a manifest can be written into ``cache_dir``; else why not
+    (:func:`cache_unwritable`) and the writable cache of this user's that a
+    promote goes to instead (the one PRELOAD_GATE_CACHE names, or the plain
+    default; None when neither can be written)."""
+    why = cache_unwritable(cache_dir)
+    if why is None:
+        return None
+    other = next((Path(c) for c in (default_cache_dir(), default_cache_dir(env=False))
+                  if os.path.abspath(c) != os.path.abspath(cache_dir) and cache_unwritable(c) is None), None)
+    return why, other
 
 
 def cache_unwritable(cache_dir: str | os.PathLike[str]) -> str | None:

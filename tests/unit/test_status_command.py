@@ -160,3 +160,44 @@ def test_stand_in_listens_only_when_asked() -> None:
             assert s.connect_ex(("127.0.0.1", port)) != 0
     with launcher(["x"], REPO, port):
         assert wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 5)
+
+
+@pytest.mark.parametrize("read_only", [True, False], ids=["read-only cache", "control: writable"])
+def test_a_read_only_cache_moves_the_fix_to_a_writable_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           read_only: bool) -> None:
+    """The fix promotes into a writable cache when the daemon's own is
+    read-only (a model store mounted ro): the new daemon must then read that
+    cache, or its start refuses the read-only cache's stale manifest and the
+    fix loops; and it restarts whatever digest the promote prints (this one
+    judges its own stale manifest forever)."""
+    from reliability_support import mount_tmpfs, skip_privileged
+
+    work = _tree(tmp_path)
+    writable = tmp_path / "mine"
+    monkeypatch.setenv("PRELOAD_GATE_CACHE", str(writable))
+    if read_only:
+        why = mount_tmpfs(work / "cache")
+        if why is not None:
+            skip_privileged(why)
+        subprocess.run(["mount", "-o", "remount,ro", str(work / "cache")], check=True)
+    try:
+        with launcher([str(work / "ckpt"), "--cache-dir", str(work / "cache"), "--stage", "raw"], work) as pid:
+            rec = _scanned(_record(work, pid))
+            fixes = status._fixes(rec)
+    finally:
+        if read_only:
+            subprocess.run(["umount", "-l", str(work / "cache")], check=False)
+    assert rec.command is not None and _parse(rec.command).cache_dir == str(work / "cache"), rec.command
+    writable.mkdir()  # the fix's promote makes it before the start runs
+    # The start command the promote fix gives (after "...: preload-gate preload ", before ") and stop").
+    start = fixes.promote.split(": preload-gate preload ", 1)[1].split(") and stop")[0]
+    args = _parse("preload-gate preload " + start)
+    if read_only:
+        assert args.cache_dir == str(writable), fixes.promote
+        assert f"--cache-dir {writable}" in fixes.promote and "read-only" in fixes.promote, fixes.promote
+        assert "; then start a daemon for it" in fixes.promote and "if it prints a digest" not in fixes.promote
+    else:
+        assert args.cache_dir == str(work / "cache"), fixes.promote
+        assert "if it prints a digest other than" in fixes.promote, fixes.promote
+    # A restart without a promote (config.json edited) keeps the daemon's own cache: its manifest is fresh.
+    assert f"start it again (as this one was: {rec.command})" in fixes.restart, fixes.restart
