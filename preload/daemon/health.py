@@ -101,7 +101,9 @@ def ask_rank(socket_path: str | Path, connect_timeout_s: float = 2.0) -> RankRep
         c = DaemonClient.connect(p.parent, rank, timeout_s=connect_timeout_s, deadline_s=5.0,
                                  client="preload-gate-health")
     except DaemonBusyError as exc:
-        return RankReply(None, busy=str(exc))
+        # A full backlog is also what a stopped rank leaves (nothing accepts; closed
+        # probes stay queued): busy only while the rank's lock holder can run.
+        return RankReply(None) if _holder_stopped(p.parent, rank) else RankReply(None, busy=str(exc))
     except ProtocolError as exc:
         return RankReply(None, refused=str(exc))
     except PreloadGateError:
@@ -114,6 +116,26 @@ def ask_rank(socket_path: str | Path, connect_timeout_s: float = 2.0) -> RankRep
         return RankReply(None)
     finally:
         c.close()
+
+
+def _holder_stopped(socket_dir: Path, rank: int) -> bool:
+    """True when the process holding ``rank``'s lock is stopped (SIGSTOP, a
+    debugger), a zombie, or dead: it answers no one, busy or not (psutil's
+    process status, from /proc)."""
+    import psutil
+
+    from preload.daemon.lock import lock_holder
+
+    holder = lock_holder(socket_dir, rank)
+    if holder is None or not holder.isdigit():
+        return False
+    try:
+        return psutil.Process(int(holder)).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP,
+                                                        psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
 
 
 def rank_stats(socket_path: str | Path) -> dict[str, Any] | None:

@@ -187,3 +187,48 @@ def test_a_daemon_at_its_connection_cap_is_busy_not_gone(tmp_path: Path) -> None
             s.close()
         daemon.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_stopped_rank_with_a_full_backlog_is_down_not_busy(tmp_path: Path) -> None:
+    """A SIGSTOPped rank accepts nothing: probes pile up in its backlog until
+    connects get EAGAIN, the shape of busy. It is down (its lock holder
+    cannot run). The control: the same rank continued answers again."""
+    import errno
+    import os
+    import signal
+    import socket
+
+    from fixtures.tiny import write_tiny
+
+    root = short_dir("pg-stop-")
+    daemon = Daemon(write_tiny(tmp_path / "ckpt"), root, tmp_path / "cache").start()
+    queued: list[socket.socket] = []
+    sock = daemon.socket_dir / "rank0.sock"
+    try:
+        os.kill(daemon.rank_pid, signal.SIGSTOP)
+        while len(queued) < 2000:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(str(sock))
+            except BlockingIOError as exc:
+                s.close()
+                assert exc.errno == errno.EAGAIN
+                break
+            queued.append(s)
+        reply = health.ask_rank(sock, 0.5)
+        assert not reply.up and reply.busy is None, reply
+        code, body, gauges = _probe(sock)
+        assert (code, body) == (503, "unavailable\n") and gauges[health.PREFIX + "rank_up"] == 0.0
+    finally:
+        os.kill(daemon.rank_pid, signal.SIGCONT)
+        for s in queued:
+            s.close()
+    deadline = time.monotonic() + 20  # control: running again, it drains its backlog and answers
+    while (answer := health.ask_rank(sock)).stats is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        assert answer.stats is not None, answer
+    finally:
+        daemon.stop()
+        shutil.rmtree(root, ignore_errors=True)
