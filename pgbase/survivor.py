@@ -19,7 +19,10 @@ it ended, the survivor (:func:`sweep`):
 2. SIGTERMs every process whose environment holds the token (its own clean
    stop: a daemon removes its sockets), waits up to ``TERM_S``, SIGKILLs
    what is left, and waits ``KILL_S`` more;
-3. says on stderr what it stopped, and exits.
+3. removes the scratch directories registered with :func:`register_scratch`
+   (the bench's checkpoints and mirrors, gigabytes), once their users are
+   stopped, our own and no symlink only;
+4. says on stderr what it stopped, and exits.
 
 After a verb's normal exit there is nothing left to stop, and it exits at once.
 
@@ -50,11 +53,15 @@ import ctypes
 import os
 import secrets
 import select
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 #: Tokens of the holders a process was started under, colon-separated.
 OWNERS_ENV = "PRELOAD_GATE_OWNERS"
@@ -78,6 +85,9 @@ def hold(what: str) -> str:
     if _held is not None:
         return _held
     token = secrets.token_hex(8)
+    with contextlib.suppress(OSError):  # the scratch list (register_scratch); none: scratch is not swept
+        os.close(os.open(_scratch_list(token), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600))
     env = {k: v for k, v in os.environ.items() if k != OWNERS_ENV}
     # stdin and stdout closed, stderr ours: what it stopped is said where our errors go.
     _survivor = subprocess.Popen([sys.executable, "-m", "pgbase.survivor", str(os.getpid()), token, what],
@@ -86,6 +96,51 @@ def hold(what: str) -> str:
     os.environ[OWNERS_ENV] = ":".join([*tokens(os.environ.get(OWNERS_ENV)), token])
     _held = token
     return token
+
+
+def _scratch_list(token: str) -> Path:
+    """The file listing ``token``'s scratch directories (the token is secret: 16 random hex digits)."""
+    return Path(tempfile.gettempdir()) / f"pg-scratch-{os.getuid()}-{token}.list"
+
+
+def register_scratch(path: str | os.PathLike[str]) -> None:
+    """Have every holder's survivor remove ``path`` (a directory this process
+    made) if it is still there when the verb has gone, ``kill -9`` included."""
+    for token in tokens(os.environ.get(OWNERS_ENV)):
+        try:
+            fd = os.open(_scratch_list(token), os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # a token with no list: its holder made none (not a holder of this release)
+        try:
+            if os.fstat(fd).st_uid == os.getuid():
+                os.write(fd, os.fsencode(os.path.abspath(path)) + b"\n")
+        finally:
+            os.close(fd)
+
+
+def remove_scratch(token: str) -> list[str]:
+    """Remove the directories registered for ``token`` that are still there
+    (ours, not a symlink), and the list; returns those removed."""
+    listed = _scratch_list(token)
+    try:
+        st = os.lstat(listed)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return []
+        paths = listed.read_bytes().splitlines()
+    except OSError:
+        return []
+    removed = []
+    for raw in dict.fromkeys(paths):
+        try:
+            st = os.lstat(raw)
+        except OSError:
+            continue  # the verb removed it
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+            shutil.rmtree(raw, ignore_errors=True)
+            removed.append(os.fsdecode(raw))
+    with contextlib.suppress(OSError):
+        listed.unlink()
+    return removed
 
 
 def mount_source(default: str) -> str:
@@ -182,6 +237,7 @@ def sweep(token: str, what: str = "", owner: int | None = None, *, term_s: float
             os.rmdir(mp)
     pids = owned(token)
     if not pids and not points:
+        _say_removed(remove_scratch(token), what, owner, token)
         return []
     who = f"preload-gate {what} (pid {owner})" if owner else f"the holder of {token}"
     named = "; ".join(f"{p} {_cmdline(p)}" for p in pids)
@@ -198,10 +254,17 @@ def sweep(token: str, what: str = "", owner: int | None = None, *, term_s: float
             time.sleep(_POLL_S)
             pids = owned(token)
         if not pids:
+            _say_removed(remove_scratch(token), what, owner, token)
             return []
     print(f"preload-gate: still running after SIGKILL: {'; '.join(f'{p} {_cmdline(p)}' for p in pids)}",
           file=sys.stderr, flush=True)
     return pids
+
+
+def _say_removed(removed: list[str], what: str, owner: int | None, token: str) -> None:
+    if removed:
+        who = f"preload-gate {what} (pid {owner})" if owner else f"the holder of {token}"
+        print(f"{who} is gone; its survivor removes its scratch: {', '.join(removed)}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

@@ -325,9 +325,13 @@ def default_workdir() -> Path:
 
 def scratch(options: BenchOptions, prefix: str) -> Path:
     """A new scratch directory under the bench workdir; the row removes it."""
+    from pgbase.survivor import register_scratch
+
     base = options.workdir or default_workdir()
     base.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    register_scratch(work)  # a bench killed (SIGTERM, kill -9) leaves none of it: its survivor removes it
+    return work
 
 
 def progress(text: str) -> None:

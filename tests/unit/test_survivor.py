@@ -246,6 +246,46 @@ def test_a_bench_killed_with_its_fuse_mirror_mounted_leaves_nothing(tmp_path, ta
     assert "preload-gate bench (pid" in err and "its survivor stops" in err, err[-2000:]
 
 
+SCRATCH_STARTER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from harness.bench import BenchOptions, scratch
+    from pgbase import survivor
+    if sys.argv[1] == "1":
+        survivor.hold("bench")
+    work = scratch(BenchOptions(workdir=Path(sys.argv[2])), "pg-bench-t-")
+    (work / "shard.safetensors").write_bytes(b"x" * 4096)
+    print(work, flush=True)
+    time.sleep(3600)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+@pytest.mark.parametrize("held", [True, False], ids=["held", "control-no-holder"])
+def test_a_killed_bench_leaves_no_scratch(tmp_path, tag, held, sig) -> None:
+    """The bench's scratch (checkpoints of up to --size, mirrors) is removed
+    by its survivor when the bench is killed, by SIGTERM (no finally runs)
+    or kill -9. The control: without a holder, the scratch stays."""
+    workdir = tmp_path / "w"
+    starter = subprocess.Popen([sys.executable, "-c", SCRATCH_STARTER, "1" if held else "0", str(workdir)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=_env(tag, tmp_path, tmp_path), cwd=REPO)
+    try:
+        work = Path(_readline(starter))
+        assert work.is_dir() and work.parent == workdir
+    finally:
+        starter.send_signal(sig)
+        starter.wait()
+    if held:
+        assert wait_for(lambda: not work.exists(), BOUND_S), "the survivor left the scratch"
+        err = starter.stderr.read() if starter.stderr else ""
+        assert wait_for(lambda: not list(tmp_path.glob("pg-scratch-*.list")), BOUND_S)
+        assert "its survivor removes its scratch: " + str(work) in err, err
+    else:
+        wait_for(lambda: False, 2.0)
+        assert work.is_dir(), "control: without a survivor the scratch stays"
+
+
 # ---------------------------------------------------------------- static
 
 _TREE = ("harness", "canaries", "preload", "preload_gate", "pgbase", "fixtures")
