@@ -19,7 +19,11 @@ def write_synthetic(
     out: Path, shards: int, shard_bytes: int, tensors_per_shard: int = 4, seed: int = 0
 ) -> list[Path]:
     """A checkpoint of ``shards`` files of about ``shard_bytes`` random bf16 each,
-    with an index and a config; written in chunks, so size is bounded by disk only."""
+    with an index and a config; written in chunks, so size is bounded by disk only.
+
+    Raises BenchError, before a byte is written, when the shards do not fit
+    in the free space of ``out``'s filesystem (statvfs ``f_bavail``)."""
+    check_room(out, shards * shard_bytes)
     out.mkdir(parents=True, exist_ok=False)
     rng = np.random.default_rng(seed)
     per_tensor = max(2, (shard_bytes // tensors_per_shard) // 2 * 2)
@@ -41,6 +45,22 @@ def write_synthetic(
     atomic.write_json(out / INDEX_NAME, {"metadata": {}, "weight_map": weight_map})
     atomic.write_json(out / "config.json", {"architectures": ["SyntheticForBench"]})
     return paths
+
+
+def check_room(out: Path, need: int) -> None:
+    """BenchError unless ``need`` bytes fit in what an unprivileged writer may
+    use of the filesystem ``out`` is (or would be) made on."""
+    from harness.bench.errors import BenchError
+    from pgbase.limits import gib
+
+    base = out
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    st = os.statvfs(base)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise BenchError(f"a synthetic checkpoint of {gib(need)} does not fit in {out}: {gib(free)} free on its "
+                         "filesystem; lower --size or the row's shards/shard_mb, or give --workdir a larger disk")
 
 
 def _stream_shard(path: Path, names: list[str], per_tensor: int, rng: np.random.Generator) -> None:
