@@ -193,7 +193,8 @@ def test_metrics_scrape_parses_with_prometheus_client(served):
     families = {f.name: f for f in text_string_to_metric_families(text)}
     # The parser names a counter family without ``_total``; its samples keep it.
     assert {n: f.type for n, f in families.items()} == {
-        "preload_gate_rank_up": "gauge", "preload_gate_hits": "counter", "preload_gate_misses": "counter",
+        "preload_gate_rank_up": "gauge", "preload_gate_rank_busy": "gauge",
+        "preload_gate_hits": "counter", "preload_gate_misses": "counter",
         "preload_gate_attach_failures": "counter", "preload_gate_attached_engines": "gauge", "preload_gate_resident_bytes": "gauge",
         "preload_gate_load_seconds": "gauge",
         # Where the arena came from and went (issue 26: the fd store).
