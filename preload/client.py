@@ -73,6 +73,12 @@ class State:
 _BUSY_RETRY_S = (0.005, 0.05)
 
 
+def _busy(path: Path, why: str, timeout_s: float) -> DaemonBusyError:
+    """What a connect says once a busy daemon (full backlog, or at its connection cap) stayed busy."""
+    return DaemonBusyError(f"the daemon at {path} is busy: {why}; connects retried for {timeout_s:g} s; retry, "
+                           "connect fewer engines at once, or allow a longer connect timeout")
+
+
 def _connect(path: Path, timeout_s: float) -> socket.socket:
     """A socket connected to ``path``, each failure worded by its cause
     (:func:`pgbase.oscause.connect_cause`): nothing listening is "no daemon
@@ -101,9 +107,7 @@ def _connect(path: Path, timeout_s: float) -> socket.socket:
                                                   f"cannot connect to the daemon at {path}: {cause.text}") from exc
             left = end - time.monotonic()
             if left <= 0:
-                raise DaemonBusyError(f"the daemon at {path} is busy: {cause.text}; connects retried for "
-                                      f"{timeout_s:g} s; retry, connect fewer engines at once, or allow a "
-                                      "longer connect timeout") from exc
+                raise _busy(path, cause.text, timeout_s) from exc
             time.sleep(min(pause, left))
             pause = min(pause * 2, _BUSY_RETRY_S[1])
 
@@ -145,9 +149,7 @@ class DaemonClient:
                 c.close()
                 left = end - time.monotonic()
                 if left <= 0:
-                    raise DaemonBusyError(f"the daemon at {path} is busy: {exc}; connects retried for "
-                                          f"{timeout_s:g} s; retry, connect fewer engines at once, or allow a "
-                                          "longer connect timeout") from exc
+                    raise _busy(path, str(exc), timeout_s) from exc
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, _BUSY_RETRY_S[1] * 4)
             except BaseException:

@@ -150,6 +150,23 @@ def bind_private(path: Path) -> socket.socket:
     return s
 
 
+def fill_backlog(path: Path, most: int = 2000) -> list[socket.socket]:
+    """Non-blocking connects to ``path`` until one gets EAGAIN (its listen
+    backlog is full); the connections, to close when done."""
+    held: list[socket.socket] = []
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(str(path))
+        except BlockingIOError as exc:
+            s.close()
+            assert exc.errno == errno.EAGAIN
+            return held
+        held.append(s)
+        assert len(held) < most, "the backlog never filled"
+
+
 class FullListener:
     """An AF_UNIX listener with backlog 0 that never accepts, its queue filled."""
 
@@ -157,18 +174,7 @@ class FullListener:
         self.path = path
         self.listener = bind_private(path)
         self.listener.listen(0)
-        self.held: list[socket.socket] = []
-        while True:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.setblocking(False)
-            try:
-                s.connect(str(path))
-            except BlockingIOError as exc:
-                s.close()
-                assert exc.errno == errno.EAGAIN
-                break
-            self.held.append(s)
-            assert len(self.held) < 1000, "the backlog never filled"
+        self.held = fill_backlog(path)
 
     def close(self) -> None:
         for s in self.held:

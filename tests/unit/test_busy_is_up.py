@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon_support import Daemon, FullListener, bind_private, short_dir
+from daemon_support import Daemon, FullListener, bind_private, fill_backlog, short_dir
 from prometheus_client.parser import text_string_to_metric_families
 
 from pgbase.errors import DaemonBusyError
@@ -193,7 +193,6 @@ def test_a_stopped_rank_with_a_full_backlog_is_down_not_busy(tmp_path: Path) -> 
     """A SIGSTOPped rank accepts nothing: probes pile up in its backlog until
     connects get EAGAIN, the shape of busy. It is down (its lock holder
     cannot run). The control: the same rank continued answers again."""
-    import errno
     import os
     import signal
     import socket
@@ -206,16 +205,7 @@ def test_a_stopped_rank_with_a_full_backlog_is_down_not_busy(tmp_path: Path) -> 
     sock = daemon.socket_dir / "rank0.sock"
     try:
         os.kill(daemon.rank_pid, signal.SIGSTOP)
-        while len(queued) < 2000:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.setblocking(False)
-            try:
-                s.connect(str(sock))
-            except BlockingIOError as exc:
-                s.close()
-                assert exc.errno == errno.EAGAIN
-                break
-            queued.append(s)
+        queued = fill_backlog(sock)
         reply = health.ask_rank(sock, 0.5)
         assert not reply.up and reply.busy is None, reply
         code, body, gauges = _probe(sock)
