@@ -300,7 +300,9 @@ class _Connections:
     def waiting(self, conn: socket.socket) -> None:
         """``conn`` waits for its next request head (a keep-alive connection between requests)."""
         with self._lock:
-            if conn in self._waiting_since:
+            # A fresh connection keeps the stamp admit gave it: its handler thread may start
+            # after a newer one's (under load), and eviction must follow arrival, not scheduling.
+            if conn in self._waiting_since and self._waiting_since[conn] is None:
                 self._waiting_since[conn] = time.monotonic()
 
     def answering(self, conn: socket.socket) -> None:

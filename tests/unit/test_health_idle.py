@@ -185,17 +185,20 @@ def test_a_complete_head_mid_answer_is_never_evicted(served_busy: Served) -> Non
     idle = served.idle(health.MAX_CONNECTIONS - 1)  # every slot taken, the busy one among them
     more = [socket.create_connection(served.address, timeout=5) for _ in range(8)]  # each evicts one
     try:
-        closed = [_eof(s, 2.0) for s in idle[:8]]
+        closed = [_eof(s, 5.0) for s in idle[:8]]  # the oldest first, whatever the load
         served.ranks.hold.set()
-        if not served.as_built:  # the busy one went first: its answer is lost
-            with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
-                busy.getresponse().read()
-                busy.request("GET", "/health")
-                busy.getresponse().read()
+        r = busy.getresponse()
+        assert r.status == 200 and r.read() == b"ok\n"  # SHUT_RD: an evicted head is still answered
+        assert busy.sock is not None
+        if not served.as_built:
+            # The busy one went first: its slot is gone, so the server closes it once answered.
+            # (Asked again at once, a request can race into its receive queue before the handler's
+            # next read sees EOF, and be answered: what marks the eviction is the close.)
+            assert _eof(busy.sock, 5.0), "the naive control kept the evicted keep-alive connection open"
             return
         assert all(closed), closed
-        r = busy.getresponse()
-        assert r.status == 200 and r.read() == b"ok\n"
+        assert not _eof(busy.sock, 0.5), "a connection mid-answer was closed after its answer"
+        busy.sock.settimeout(30)
         # Still the same connection: it answers the next request too.
         busy.request("GET", "/health")
         r = busy.getresponse()
@@ -289,3 +292,50 @@ def test_an_evicted_fragment_gets_no_answer(served_as_built: Served, fragment: b
     finally:
         cut.close()
         _closed_all(idle)
+
+
+
+def _restamp_always(self: health._Connections, conn: socket.socket) -> None:
+    """Before this change: every handler start re-stamped its connection, fresh or not."""
+    with self._lock:
+        if conn in self._waiting_since:
+            self._waiting_since[conn] = time.monotonic()
+
+
+@pytest.mark.parametrize("waiting", [None, _restamp_always], ids=["as_built", "restamp_control"])
+def test_eviction_follows_arrival_not_the_order_handler_threads_start(
+        waiting: Callable[[health._Connections, socket.socket], None] | None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under load a newer connection's handler thread can run before an older
+    one's; the slot a newcomer takes is still the oldest arrival's (CI saw a
+    stamp taken at handler start evict the wrong idle socket). A keep-alive
+    connection back from an answer waits from then on. Control: re-stamping at
+    every handler start evicts the newest arrival instead."""
+    if waiting is not None:
+        monkeypatch.setattr(health._Connections, "waiting", waiting)
+    conns = health._Connections(3)
+    pairs = [socket.socketpair() for _ in range(4)]
+    first, second, third, newcomer = (p[0] for p in pairs)
+    try:
+        for c in (first, second, third):
+            assert conns.admit(c)
+            time.sleep(0.002)  # distinct stamps
+        for c in (third, second, first):  # their handler threads start newest first
+            conns.waiting(c)
+            time.sleep(0.002)
+        assert conns.admit(newcomer)
+        if waiting is not None:
+            assert first in conns._waiting_since and third not in conns._waiting_since
+            return
+        assert first not in conns._waiting_since, "the oldest arrival kept its slot"
+        assert all(c in conns._waiting_since for c in (second, third, newcomer))
+        conns.answering(second)  # second is answered, then waits for its next head: newest waiter
+        conns.waiting(second)
+        conns.release(newcomer)
+        assert conns.admit(newcomer)
+        assert conns.admit(first)  # full again: third has waited longest now
+        assert third not in conns._waiting_since and second in conns._waiting_since
+    finally:
+        for p in pairs:
+            for s in p:
+                s.close()
