@@ -20,20 +20,18 @@ a line in the record and, to show it, one in :func:`render`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import functools
 import os
-import shlex
 import stat
 import time
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, NoReturn
+from typing import Any, Literal
 
 import msgspec
 
 from pgbase.digest_text import short_digest
 from pgbase.errors import PreloadGateError
+from preload.daemon.status_fix import Fixes, fixes_for, launcher_command
 from preload.identity.key import WeightCacheKey
 
 FORMAT = "preload-gate-status/1"
@@ -197,7 +195,7 @@ def scan(root: str | os.PathLike[str] | None) -> list[DaemonRecord]:
             if answer is not None:
                 record = msgspec.convert({**answer, "socket": str(sock), "socket_root": str(base), "serving": True},
                                          DaemonRecord)
-                record.command, record.ports_held = _launcher_command(record)
+                record.command, record.ports_held = launcher_command(record)
                 found.append(record)
                 continue
             # Stale only when nothing answers AND no live process holds the lock.
@@ -218,129 +216,6 @@ def _not_a_socket(path: Path) -> str | None:
     if stat.S_ISSOCK(mode):
         return None
     return "a symlink" if stat.S_ISLNK(mode) else "a regular file" if stat.S_ISREG(mode) else "a non-socket file"
-
-
-def _launcher_command(r: DaemonRecord) -> tuple[str | None, list[str]]:
-    """How to start a daemon as ``r`` was, and the port flags of that command
-    ``r`` still holds (``["--health-port 9100"]``: a new daemon would refuse
-    them while ``r`` runs, so its fix stops ``r`` first).
-
-    The launcher's argv is reparsed with the ``preload`` verb's own parser
-    and written back from what it parsed (:func:`_preload_argv`), so every
-    path is absolute, against the launcher's cwd: the command is run from
-    another shell. The socket root and cache dir it ran with are added where
-    the command line does not name them (they may have come from its
-    environment). (None, []) if its launcher cannot be read or parsed."""
-    import psutil
-
-    from preload.identity.manifest import default_cache_dir
-    from preload.sockets import SOCKET_ROOT_ENV, default_socket_root
-
-    if r.launcher_pid is None or r.launcher_pid <= 1:
-        return None, []
-    try:
-        proc = psutil.Process(r.launcher_pid)
-        argv = proc.cmdline()
-    except (psutil.Error, OSError):
-        return None, []
-    if "preload" not in argv[1:]:
-        return None, []
-    try:
-        cwd: str | None = proc.cwd()
-    except (psutil.Error, OSError):
-        cwd = None
-    parsed = _reparse(argv[argv.index("preload", 1) + 1:], cwd)
-    if parsed is None:
-        return None, []
-    parser, args = parsed
-    if cwd is None:  # relative paths were made absolute against our cwd: take what the daemon runs with
-        if not os.path.isabs(args.checkpoint):
-            args.checkpoint = r.checkpoint
-        args.socket_root = r.socket_root if args.socket_root else None
-        args.cache_dir = r.cache_dir if args.cache_dir else None
-    if args.socket_root is None and (SOCKET_ROOT_ENV in os.environ or Path(r.socket_root) != default_socket_root()):
-        args.socket_root = r.socket_root
-    if args.cache_dir is None and r.cache_dir and Path(r.cache_dir) != default_cache_dir(env=False):
-        args.cache_dir = r.cache_dir
-    held = [f"{flag} {port}" for flag, port in (("--health-port", args.health_port),
-                                                 ("--master-port", args.master_port))
-            if port and _listening(proc, port)]
-    return "preload-gate preload " + shlex.join(_preload_argv(parser, args)), held
-
-
-# Flags of the launcher not repeated: a dry run never serves, --take-over is
-# what it did to its predecessor (the next daemon starts on its own), and
-# --exit-with-parent ties a daemon to the process that started it: run by hand
-# from a shell, it would end with that shell.
-_NOT_REPEATED = frozenset({"dry_run", "json", "take_over", "exit_with_parent", "help"})
-
-
-def _reparse(argv: list[str], cwd: str | None) -> tuple[argparse.ArgumentParser, argparse.Namespace] | None:
-    """``argv`` (after the verb) parsed by the ``preload`` verb's parser
-    (:func:`preload.daemon.preload_args.add_preload`), its path flags resolved against
-    ``cwd`` (the launcher's) rather than ours; None where it refuses them
-    (a launcher of another release): no usage text, no exit."""
-    from preload.daemon.preload_args import add_preload
-
-    parser = add_preload(argparse.ArgumentParser(add_help=False).add_subparsers())
-
-    def refuse(message: str) -> NoReturn:
-        raise ValueError(message)
-
-    parser.error = refuse  # type: ignore[method-assign]
-    for action in parser._actions:
-        if cwd is not None and action.dest in ("socket_root", "cache_dir") and callable(action.type):
-            action.type = functools.partial(_in_dir, cwd, action.type)
-    try:
-        args = parser.parse_args(argv)
-    except (ValueError, SystemExit):
-        return None
-    if cwd is not None:
-        args.checkpoint = os.path.normpath(os.path.join(cwd, args.checkpoint))
-    return parser, args
-
-
-def _in_dir(cwd: str, convert: Any, value: str) -> Any:
-    return convert(os.path.join(cwd, value) if value else value)
-
-
-def _preload_argv(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """``args`` as the argv that parses to them: the positional, then each
-    flag not at its default, by its long name, in the parser's order."""
-    out: list[str] = []
-    for action in parser._actions:
-        if action.dest in _NOT_REPEATED:
-            continue
-        value = getattr(args, action.dest)
-        if not action.option_strings:
-            out.append(str(value))
-        elif value != action.default:
-            flag = max(action.option_strings, key=len)
-            out += [flag] if action.nargs == 0 else [flag, str(value)]
-    return out
-
-
-def _listening(proc: Any, port: int) -> bool:
-    """Whether the launcher or a process below it (its ranks) listens on
-    ``port``; True where psutil may not look (the cautious fix: stop first)."""
-    import psutil
-
-    try:
-        procs = [proc, *proc.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.Error:
-        return True
-    for p in procs:
-        try:
-            conns = p.net_connections(kind="inet")
-        except psutil.NoSuchProcess:
-            continue
-        except psutil.Error:
-            return True
-        if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns):
-            return True
-    return False
 
 
 def check_disk(records: list[DaemonRecord]) -> None:
@@ -380,7 +255,7 @@ def check_disk(records: list[DaemonRecord]) -> None:
         where = (str(r.checkpoint), r.cache_dir)
         found = manifests[where]
         if isinstance(found, DiskCheck):
-            r.disk = msgspec.structs.replace(found, fix=_fixes(r).promote if found.state == "stale" else "")
+            r.disk = msgspec.structs.replace(found, fix=fixes_for(r).promote if found.state == "stale" else "")
         else:
             r.disk = _judge(r, found, stats.get(where), serving, configs[str(r.checkpoint)])
 
@@ -397,7 +272,7 @@ def _folder_config(checkpoint: str) -> Any:
         return exc
 
 
-def _config_check(r: DaemonRecord, cfg: Any, where: str, fixes: _Fixes) -> DiskCheck | None:
+def _config_check(r: DaemonRecord, cfg: Any, where: str, fixes: Fixes) -> DiskCheck | None:
     """Stale when the key an engine builds from the folder now differs from
     the daemon's in a field config.json gives (:data:`preload.daemon.key_flags.FROM_FOLDER`);
     None when they agree or the daemon sent no key this release reads.
@@ -453,7 +328,7 @@ def _judge(r: DaemonRecord, manifest: Any, stats: list[Any] | None, serving: lis
     from preload.identity.manifest import manifest_path, stale_reason
 
     ckpt, digest = str(r.checkpoint), str(r.digest)
-    fixes = _fixes(r)
+    fixes = fixes_for(r)
     then, restart, stop = fixes.promote, fixes.start_new, fixes.stop
     if manifest is None:
         return DiskCheck("stale", "no_manifest", reason=f"no promotion manifest in {r.cache_dir}",
@@ -486,67 +361,6 @@ def _judge(r: DaemonRecord, manifest: Any, stats: list[Any] | None, serving: lis
     return DiskCheck("fresh", manifest_digest=manifest.digest, manifest=where, reason=(
         "on a stat-blind filesystem: engines with identity stat refuse it; use identity pinned "
         f"(expected_digest {digest})" if blind else ""))
-
-
-class _Fixes(NamedTuple):
-    """What to run for a record: ``promote`` (then a daemon for a new
-    digest), ``start_new`` (a daemon for the digest the manifest names),
-    ``stop`` (this one), ``restart`` (this one stopped, then started again on
-    the same digest: config.json changed, the weights did not)."""
-
-    promote: str
-    start_new: str
-    stop: str
-    restart: str
-
-
-def _moved_cache(r: DaemonRecord) -> Path | None:
-    """The writable cache a fix promotes into when ``r``'s own cannot be
-    written (:func:`preload.identity.manifest.cache_instead`); else None."""
-    from preload.identity.manifest import cache_instead
-
-    instead = cache_instead(r.cache_dir) if r.cache_dir else None
-    return instead[1] if instead is not None else None
-
-
-def _with_cache(command: str, cache: Path) -> str:
-    """``command`` (a ``preload`` command :func:`_launcher_command` wrote)
-    with ``--cache-dir`` set to ``cache``."""
-    argv = shlex.split(command)
-    if "--cache-dir" in argv:
-        argv[argv.index("--cache-dir") + 1] = str(cache)
-    else:
-        argv += ["--cache-dir", str(cache)]
-    return shlex.join(argv)
-
-
-def _fixes(r: DaemonRecord) -> _Fixes:
-    from preload.identity.manifest import promote_command
-
-    moved = _moved_cache(r)
-    start = f"as this one was: {r.command}" if r.command else "with this one's settings"
-    stop = f"stop this one (kill {r.launcher_pid})" if r.launcher_pid else "stop this one"
-
-    def start_new_as(how: str) -> str:
-        if r.ports_held:  # the new daemon would refuse a port this one holds
-            return (f"{stop} first (it holds {', '.join(r.ports_held)}, which the new daemon binds), then start "
-                    f"a daemon for it ({how})")
-        return f"start a daemon for it ({how}) and {stop}"
-
-    start_new = start_new_as(start)
-    promote = (f"{promote_command(str(r.checkpoint), r.cache_dir)}; if it prints a digest other than "
-               f"{short_digest(str(r.digest))}, {start_new}")
-    if moved is not None:
-        # The promote writes another cache: the new daemon must read that one (its start
-        # would refuse the read-only cache's stale manifest), and this one judges its own
-        # stale manifest whatever digest the promote prints: restart either way.
-        how = (f"as this one was, reading the cache the promote wrote: {_with_cache(r.command, moved)}"
-               if r.command else f"with this one's settings and --cache-dir {shlex.quote(str(moved))}")
-        promote = f"{promote_command(str(r.checkpoint), r.cache_dir)}; then {start_new_as(how)}"
-    # The same digest: the new daemon needs this one's socket dir and rank lock.
-    restart = (f"{stop} first, then start it again ({start}); no promote: the weights' digest is unchanged, "
-               "and the new daemon reads config.json as it is now")
-    return _Fixes(promote, start_new, stop, restart)
 
 
 def _fields(manifest: Any, shard: str | None, stats: list[Any]) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from daemon_support import REPO, wait_for
 
-from preload.daemon import cli, status
+from preload.daemon import cli, status_fix
 from preload.daemon.status import DaemonRecord
 
 pytestmark = [pytest.mark.unit, pytest.mark.xdist_group(name="status_command")]
@@ -79,7 +79,7 @@ def _record(work: Path, pid: int) -> DaemonRecord:
 
 def _scanned(rec: DaemonRecord) -> DaemonRecord:
     """What ``scan`` sets from the launcher."""
-    rec.command, rec.ports_held = status._launcher_command(rec)
+    rec.command, rec.ports_held = status_fix.launcher_command(rec)
     return rec
 
 
@@ -128,7 +128,7 @@ def test_a_port_this_one_holds_makes_the_fix_stop_it_first(tmp_path: Path, flag:
     port = _free_port()
     with launcher([str(work / "ckpt"), flag, str(port), "--stage", "raw"], work, port if held else None) as pid:
         rec = _scanned(_record(work, pid))
-        fixes = status._fixes(rec)
+        fixes = status_fix.fixes_for(rec)
     assert rec.command is not None and f"{flag} {port}" in rec.command, rec.command
     stop = f"stop this one (kill {pid})"
     if held:
@@ -149,7 +149,7 @@ def test_an_argv_the_parser_refuses_gives_no_command(tmp_path: Path, capsys: pyt
         rec = _scanned(_record(work, pid))
     assert (rec.command, rec.ports_held) == (None, [])
     assert capsys.readouterr().err == ""
-    assert "start a daemon for it (with this one's settings)" in status._fixes(rec).start_new
+    assert "start a daemon for it (with this one's settings)" in status_fix.fixes_for(rec).start_new
 
 
 def test_stand_in_listens_only_when_asked() -> None:
@@ -183,7 +183,7 @@ def test_a_read_only_cache_moves_the_fix_to_a_writable_one(tmp_path: Path, monke
     try:
         with launcher([str(work / "ckpt"), "--cache-dir", str(work / "cache"), "--stage", "raw"], work) as pid:
             rec = _scanned(_record(work, pid))
-            fixes = status._fixes(rec)
+            fixes = status_fix.fixes_for(rec)
     finally:
         if read_only:
             subprocess.run(["umount", "-l", str(work / "cache")], check=False)
