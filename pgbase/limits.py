@@ -19,8 +19,12 @@ from pathlib import Path
 
 
 def nofile_fix(at_least: int | None = None) -> str:
-    """The fix for the open-file limit, in the words of the two places it is set."""
-    n = "N" if at_least is None else str(at_least)
+    """The fix for the open-file limit, in the words of the two places it is set.
+
+    ``at_least``: the limit the work needs, where the caller counted it; else
+    (an open that failed with EMFILE: the need is unknown) twice the soft
+    limit now, at least systemd's 1024 for services: a number to paste."""
+    n = at_least if at_least is not None else max(1024, 2 * min(open_file_limit()[0], 1 << 20))
     return (f"raise it where the process starts: `ulimit -n {n}` in its shell, `LimitNOFILE={n}` in its "
             "systemd unit (the default for services is 1024)")
 

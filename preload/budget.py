@@ -135,11 +135,28 @@ def reserve_open_files(need: int, what: str, want: int | None = None) -> int:
                     "files beside the %d open", what, soft, target, hard, want, held)
         room = target - open_files()  # a descriptor numbered above the old soft limit takes room now
     if room < need:
-        soft = open_file_limit()[0]
-        raise PreflightError(
-            f"{what} needs {need} more open files beside the {held} open, and the open-file limit leaves "
-            f"{max(0, room)} (RLIMIT_NOFILE soft {soft}, hard {hard}); {nofile_fix(held + want)}")
+        raise _too_few_files(what, need, want, held, room)
     return room
+
+
+def check_open_file_limit(need: int, what: str, want: int | None = None) -> None:
+    """:func:`reserve_open_files`'s refusal, asked before the processes that
+    open the files start (the launcher's preflight, so ``preload --dry-run``
+    too): they inherit this process's limits and may raise their soft limit
+    up to the hard one, so the hard limit less what this process holds must
+    leave ``need``. Changes no limit; each rank asks again, exactly, before
+    its first shard. Raises :class:`PreflightError` as that does."""
+    _soft, hard = open_file_limit()
+    held = open_files()
+    if hard - held < need:
+        raise _too_few_files(what, need, max(need, want or need), held, hard - held)
+
+
+def _too_few_files(what: str, need: int, want: int, held: int, room: int) -> PreflightError:
+    soft, hard = open_file_limit()
+    return PreflightError(
+        f"{what} needs {need} more open files beside the {held} open, and the open-file limit leaves "
+        f"{max(0, room)} (RLIMIT_NOFILE soft {soft}, hard {hard}); {nofile_fix(held + want)}")
 
 
 @dataclass(frozen=True)

@@ -263,6 +263,18 @@ def check_raw_memory(checkpoint: str | os.PathLike[str], local_ranks: int, tp_si
     check_memory([(what, int(size * copies))])
 
 
+def check_rank_open_files(checkpoint: str | os.PathLike[str], stage: str | None) -> None:
+    """The open-file limit the ranks will inherit leaves a rank what it needs
+    to load and serve one engine (:func:`preload.budget.rank_open_files`,
+    what each rank reserves again before its first shard), counted beside
+    what this process holds: a dry run says what the start would."""
+    from preload.budget import MAX_CONNECTIONS, check_open_file_limit, rank_open_files
+
+    need, want = rank_open_files(MAX_CONNECTIONS, stage if stage in ("raw", "loaded", "processed") else "raw")
+    check_open_file_limit(need, f"a rank of {checkpoint} ({stage or 'default'} stage, shards read one at a time)",
+                          want)
+
+
 def preflight_daemon(checkpoint: str | os.PathLike[str], socket_root: str | os.PathLike[str] | None,
                      ranks: Iterable[int], digest: str | None, health_host: str = "127.0.0.1",
                      health_port: int | None = None, dtype: str = "auto", tp_size: int = 1,
@@ -298,6 +310,7 @@ def preflight_daemon(checkpoint: str | os.PathLike[str], socket_root: str | os.P
     if health_port is not None:
         check_port(health_host, health_port)
     check_cuda(transport)
+    check_rank_open_files(checkpoint, stage)
     if stage == "raw" and transport == "shm":
         # (The loaded stage's size depends on vLLM's dtype and layout: its ranks
         # check their arenas once the model is built, before the first tensor.)
@@ -317,7 +330,7 @@ def preflight_promote(checkpoint: str | os.PathLike[str], socket_root: str | os.
 
 __all__ = [
     "AF_UNIX_MAX", "VLLM_DTYPES", "PreflightError", "check_cache_dir", "check_cache_root", "check_checkpoint",
-    "check_cuda", "check_dtype", "check_raw_memory", "check_engine_choices", "check_output_dir", "check_output_dirs",
+    "check_cuda", "check_dtype", "check_rank_open_files", "check_raw_memory", "check_engine_choices", "check_output_dir", "check_output_dirs",
     "check_pipeline_parallel", "check_port", "check_rank_locks", "check_socket_root", "rank_lock_holders",
     "check_tensor_parallel", "model_heads", "preflight_daemon",
     "preflight_promote", "socket_path_problem",

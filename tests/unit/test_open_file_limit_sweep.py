@@ -338,3 +338,21 @@ def test_control_a_rank_failing_otherwise_keeps_its_traceback(
     assert rc == 2 and line["event"] == "rank_error" and "a bug" in line["error"], line
     assert "open-file limit" not in line["error"]
     assert [r for r in caplog.records if r.exc_info], "a bug's traceback belongs in the log"
+
+
+@pytest.mark.parametrize("n", (12, 20, 64))
+def test_the_dry_run_says_what_the_start_does(world: dict[str, Path], n: int) -> None:
+    """Under one limit, ``preload --dry-run`` is refused exactly where the
+    start is (the rank's open-file need, checked in the launcher's
+    preflight against the limit its ranks inherit), with the same line.
+    Before this, 12 gave a plan (exit 0) and a start that failed; 20 and 64
+    are the controls where both go ahead."""
+    argv = [sys.executable, "-m", "preload_gate", "preload", str(world["ckpt"]), "--stage", "raw", "--dry-run"]
+    dry = subprocess.run(_limited(n, argv), capture_output=True, text=True, env=_env(world, world["fresh"]),
+                         cwd=REPO, timeout=120)
+    rc, out, err = start_preload(world, n)
+    assert judge(rc, out, err) is None and judge(dry.returncode, dry.stdout, dry.stderr) is None
+    assert (dry.returncode, rc) in ((0, 0), (2, 2)), f"ulimit -n {n}: dry run {dry.returncode}, start {rc}: {err}"
+    if rc == 2:
+        assert dry.stderr.strip().split(": error: ", 1)[-1] == err.strip().split(": error: ", 1)[-1]
+    assert (rc == 2) == (n == 12)

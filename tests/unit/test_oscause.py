@@ -212,3 +212,17 @@ def test_library_no_such_file_for_a_file_that_opens_says_so(files):
 def test_reason_keeps_the_type_of_what_is_no_os_failure():
     assert reason(KeyError("model.norm")) == "KeyError: 'model.norm'"
     assert "open-file limit" in reason(OSError(errno.EMFILE, "Too many open files"))
+
+
+@pytest.mark.parametrize("soft, want", [(12, 1024), (256, 1024), (4096, 8192)])
+def test_emfile_fix_is_a_number_to_paste(soft: int, want: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EMFILE whose need is unknown still gives a limit to paste (twice the
+    soft limit, at least systemd's 1024), never the placeholder ``N``; a
+    caller that counted the need gives that. Control: a counted need wins."""
+    import pgbase.limits
+
+    monkeypatch.setattr(pgbase.limits, "open_file_limit", lambda: (soft, 1 << 62))
+    text = explain(OSError(errno.EMFILE, "Too many open files")).text
+    assert f"`ulimit -n {want}`" in text and f"`LimitNOFILE={want}`" in text, text
+    assert "-n N`" not in text and "=N`" not in text
+    assert "`ulimit -n 37`" in pgbase.limits.nofile_fix(37)
