@@ -341,7 +341,12 @@ def _judge(r: DaemonRecord, manifest: Any, stats: list[Any] | None, serving: lis
     found = stale_reason(ckpt, manifest, stat_blind_ok=True, stats=stats)
     if found is not None:
         reason, shard = found
-        if config is not None and config.fix.startswith("restore"):  # promote alone keeps it missing
+        if not os.path.isdir(ckpt):  # a promote of a path that is gone fails too: stop it, and say where to go
+            how = f"as this one was: {r.command}" if r.command else "with this one's settings"
+            then = (f"{stop}: {ckpt} is gone, so no engine can start on it; if the folder moved, promote it where "
+                    f"it is now (preload-gate promote NEW_PATH) and start a daemon for it there ({how}, with "
+                    "NEW_PATH for the folder)")
+        elif config is not None and config.fix.startswith("restore"):  # promote alone keeps it missing
             then = f"{config.fix}, then {then}"
         elif config is not None:  # config.json replaced (a new inode): promote prints the same digest
             then += f"; if it prints {short_digest(digest)}, {fixes.restart}"

@@ -176,6 +176,9 @@ def test_disk_check(tmp_path: Path, row: str) -> None:
         promote = f"preload-gate promote {ckpt} --cache-dir {cache}"
         if row == "config.json removed":  # promote alone would leave the key's config_digest behind
             assert d.fix.startswith(f"restore {ckpt / 'config.json'}") and f"then {promote}" in d.fix, d.fix
+        elif row == "folder moved away":  # a promote of the old path fails: stop this one, promote the new one
+            assert d.fix.startswith(f"stop this one (kill 4241): {ckpt} is gone"), d.fix
+            assert "preload-gate promote NEW_PATH" in d.fix and promote not in d.fix, d.fix
         elif cause not in ("promoted_again", "config"):
             assert d.fix.startswith(promote), d.fix
         if row == "config.json replaced by rename":  # the same weights: promote prints the same digest
