@@ -414,7 +414,10 @@ def test_cli_exit_codes(replicas, tmp_path: Path, capsys) -> None:
     good, bad = replicas("ok"), replicas("wrong")
     base = ["canary", "check", "--golden", golden, "--timeout", str(TIMEOUT), "--retries", "0"]
     assert cli_main(base + ["--base-url", good.url]) == 0
-    assert f"PASS {good.url}" in capsys.readouterr().out
+    got = capsys.readouterr()
+    assert f"PASS {good.url}" in got.out
+    # A pass without --checkpoint says what it did not compare (an edited chat template passes tokens).
+    assert "passed on tokens alone" in got.err and "chat template" in got.err and "--checkpoint DIR" in got.err
     assert cli_main(base + ["--base-url", good.url, "--base-url", bad.url, "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] is False and [r["ok"] for r in out["replicas"]] == [True, False]
