@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pgbase.limits import gib, map_count, memory_limits, nofile_fix, open_files_text
+from pgbase.mounts import VIRTUAL_FILESYSTEMS, filesystem_type
 
 OPEN_FILES = "open_files"
 SYSTEM_FILES = "system_files"
@@ -283,15 +284,48 @@ def _owner_mode(p: Path) -> str:
 
 
 def _missing_text(path: str | os.PathLike[str]) -> str:
+    """What is missing on the way to ``path``, found by an lstat of each
+    ancestor and of ``path``: the first one that is not there (or a symlink
+    to nothing, or a file where a directory should be). Where everything is
+    there the OS's ENOENT was no missing file, and that is said: a directory
+    on a virtual filesystem (procfs) answers ENOENT to a new entry in it."""
     p = Path(path)
-    if os.path.lexists(p) and not os.path.exists(p):
-        return f"{p} is a symlink to {os.readlink(p)}, which does not exist"
-    up = p.parent
-    while not os.path.exists(up) and up != up.parent:
-        up = up.parent
-    if up != p.parent:
-        return f"{p} does not exist: its directory {p.parent} does not exist either"
-    return f"{p} does not exist"
+    for q in (*reversed(p.parents), p):
+        try:
+            st = os.lstat(q)
+        except OSError:
+            return f"{p} does not exist" if q == p else f"{p} does not exist: its directory {q} does not exist"
+        if stat.S_ISLNK(st.st_mode) and not os.path.exists(q):
+            link = f"{q} is a symlink to {os.readlink(q)}, which does not exist"
+            return link if q == p else f"{p} does not exist: {link}"
+        if q != p and not os.path.isdir(q):
+            return f"{p} does not exist: {q} is {_kind_of(q)}, not a directory"
+    return _refused_text(p)
+
+
+def _refused_text(p: Path) -> str:
+    """The OS said ENOENT for ``p``, yet ``p`` and its directories exist."""
+    fstype = filesystem_type(p)
+    if not os.path.isdir(p):
+        return (f"the OS answered 'No such file or directory' for {p}, yet it exists when checked now"
+                f"{f' (on {fstype})' if fstype else ''}")
+    if fstype in VIRTUAL_FILESYSTEMS:
+        return f"{p} exists but refuses new entries (a virtual filesystem: {fstype})"
+    return (f"{p} exists but refused a new entry in it with 'No such file or directory'"
+            f"{f' (filesystem type {fstype})' if fstype else ''}")
+
+
+def _kind_of(p: str | os.PathLike[str]) -> str:
+    """What ``p`` is, by lstat: a broken symlink names its target."""
+    try:
+        mode = os.lstat(p).st_mode
+    except OSError as exc:
+        return f"not there ({os.strerror(exc.errno or 0)})"
+    if stat.S_ISLNK(mode):
+        if not os.path.exists(p):
+            return f"a broken symlink (to {os.readlink(p)}, which does not exist)"
+        return f"a symlink to {os.readlink(p)}, which is {_not_regular(p) or 'a regular file'}"
+    return _not_regular(p) or "a regular file"
 
 
 def _not_regular(path: str | os.PathLike[str]) -> str | None:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pgbase.oscause import FILE_LIMIT_ERRNOS
+from pgbase.mounts import filesystem_type, filesystem_type_of_dev
 from preload.identity import stat_pool, uring
 from preload.identity.stat_pool import (
     MAX_STATS_IN_FLIGHT,
@@ -111,39 +111,6 @@ def subdir_stats(checkpoint: str | os.PathLike[str]) -> dict[str, FileStat]:
             if not p.is_symlink():
                 out[p.relative_to(root).as_posix()] = FileStat.of(p)
     return out
-
-
-def filesystem_type(path: str | os.PathLike[str]) -> str:
-    """The type of the filesystem ``path`` lives on (``"ext4"``, ``"tmpfs"``,
-    ``"nfs4"``...): one stat of ``path``, then :func:`filesystem_type_of_dev`.
-
-    >>> filesystem_type("/proc")
-    'proc'
-    """
-    return filesystem_type_of_dev(os.stat(path).st_dev)
-
-
-def filesystem_type_of_dev(dev: int) -> str:
-    """The type of the mounted filesystem whose device is ``dev`` (a stat's
-    ``st_dev``), from the kernel's ``/proc/self/mountinfo`` (proc(5): field 3
-    is ``major:minor``, the type follows the `` - `` separator). A local read,
-    no I/O on that filesystem, so the restart check can ask it about the
-    stats it already took. ``""`` when unknown (no /proc, no such mount).
-    """
-    want = f"{os.major(dev)}:{os.minor(dev)}"
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError as exc:
-        if exc.errno in FILE_LIMIT_ERRNOS:
-            raise  # not "unknown": a tmpfs would pass for a filesystem whose stat sees every edit
-        return ""
-    for line in lines:
-        left, sep, right = line.partition(" - ")
-        fields = left.split()
-        if sep and len(fields) >= 3 and fields[2] == want and right.split():
-            return right.split()[0]
-    return ""
 
 
 def prestart_stats(n: int) -> threading.Thread | None:

@@ -226,3 +226,91 @@ def test_emfile_fix_is_a_number_to_paste(soft: int, want: int, monkeypatch: pyte
     assert f"`ulimit -n {want}`" in text and f"`LimitNOFILE={want}`" in text, text
     assert "-n N`" not in text and "=N`" not in text
     assert "`ulimit -n 37`" in pgbase.limits.nofile_fix(37)
+
+
+def _real_error(op, path) -> OSError:
+    try:
+        op(path)
+    except OSError as exc:
+        return exc
+    raise AssertionError(f"{op.__name__}({path}) did not fail")
+
+
+def _proc_mkdir_enoent() -> OSError:
+    exc = _real_error(os.mkdir, "/proc/pg-no-such-entry")
+    if exc.errno != errno.ENOENT:
+        pytest.skip(f"mkdir in /proc fails here with {errno.errorcode.get(exc.errno or 0)}, not ENOENT")
+    return exc
+
+
+def _in_proc(t):
+    return _proc_mkdir_enoent(), "/proc"
+
+
+def _below_missing(t):
+    return _real_error(os.mkdir, t / "gone" / "deeper" / "x"), t / "gone" / "deeper" / "x"
+
+
+def _below_broken_link(t):
+    os.symlink(t / "nowhere", t / "link")
+    return _real_error(os.mkdir, t / "link" / "x"), t / "link" / "x"
+
+
+def _below_file(t):
+    (t / "afile").write_text("x")
+    return _real_error(os.mkdir, t / "afile" / "x"), t / "afile" / "x"
+
+
+def _file_missing(t):
+    return _real_error(open, t / "nofile"), t / "nofile"
+
+
+def _made_since(t):
+    exc = _real_error(open, t / "late")
+    (t / "late").write_text("x")
+    return exc, t / "late"
+
+
+# What an ENOENT (or ENOTDIR) really was, checked against the files: each row
+# makes the failure with a real call on real files, then names the path the
+# caller names (a mkdir probe names the directory it made an entry in).
+# (id, setup(tmp) -> (exception, path), words, words it must not hold)
+MISSING_ROWS = [
+    ("mkdir in /proc: every ancestor exists, the directory refuses the entry", _in_proc,
+     ["/proc exists but refuses new entries", "a virtual filesystem: proc"], ["does not exist"]),
+    # Control for the row above: an ancestor really is missing, and is named.
+    ("an ancestor really missing -> that ancestor, not its parent or the file", _below_missing,
+     ["does not exist: its directory {t}/gone does not exist"], ["refuses", "{t}/gone/deeper does not"]),
+    ("an ancestor that is a broken symlink -> the link and its target", _below_broken_link,
+     ["{t}/link/x does not exist: {t}/link is a symlink to {t}/nowhere, which does not exist"], ["refuses"]),
+    ("an ancestor that is a file -> ENOTDIR names the file", _below_file,
+     ["{t}/afile is a regular file, not a directory"], ["refuses", "{t}/afile does not exist"]),
+    ("the file itself missing -> the file", _file_missing, ["{t}/nofile does not exist"], ["its directory", "refuses"]),
+    ("missing then made before the check -> says it exists now, not 'missing'", _made_since,
+     ["yet it exists when checked now"], ["does not exist"]),
+]
+
+
+@pytest.mark.parametrize("name,setup,want,unwanted", MISSING_ROWS, ids=[r[0] for r in MISSING_ROWS])
+def test_missing_is_checked_against_each_ancestor(tmp_path, name, setup, want, unwanted):
+    exc, path = setup(tmp_path)
+    assert exc.errno in (errno.ENOENT, errno.ENOTDIR), exc
+    cause = explain(exc, path)
+    assert cause.kind == oscause.MISSING, cause
+    for w in want:
+        assert w.format(t=tmp_path) in cause.text, (w, cause.text)
+    for w in unwanted:
+        assert w.format(t=tmp_path) not in cause.text, (w, cause.text)
+
+
+def test_output_dir_under_proc_names_the_refusal_not_a_missing_proc():
+    """The CLI's probe (``fixtures tiny /proc/foo``, ``gate --report``,
+    ``--socket-root``): was "/proc does not exist"."""
+    from pgbase.errors import PreflightError
+    from pgbase.outdir import check_output_dir
+
+    _proc_mkdir_enoent()
+    with pytest.raises(PreflightError) as e:
+        check_output_dir("/proc/pg-no-such-out", "OUT")
+    assert "/proc exists but refuses new entries (a virtual filesystem: proc)" in str(e.value), e.value
+    assert "does not exist" not in str(e.value)
