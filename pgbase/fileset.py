@@ -23,11 +23,12 @@ import fnmatch
 import glob
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from pgbase.errors import CheckpointError
-from pgbase.oscause import reason
+from pgbase.oscause import file_kind, reason
 
 HF_INDEX = "model.safetensors.index.json"
 MISTRAL_INDEX = "consolidated.safetensors.index.json"
@@ -197,6 +198,10 @@ def servable(fs: FileSet) -> FileSet:
         )
     for name in fs.files:
         p = fs.folder / name
-        if not p.is_file():
-            raise CheckpointError("is not a regular file (a directory, a broken link or a special file?)", name)
+        try:
+            st = os.stat(p)
+        except OSError as exc:  # a broken symlink names its target here
+            raise CheckpointError(reason(exc, p), name) from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"is {file_kind(p)}, not a regular file", name)
     return fs

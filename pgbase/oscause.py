@@ -299,7 +299,7 @@ def _missing_text(path: str | os.PathLike[str]) -> str:
             link = f"{q} is a symlink to {os.readlink(q)}, which does not exist"
             return link if q == p else f"{p} does not exist: {link}"
         if q != p and not os.path.isdir(q):
-            return f"{p} does not exist: {q} is {_kind_of(q)}, not a directory"
+            return f"{p} does not exist: {q} is {file_kind(q)}, not a directory"
     return _refused_text(p)
 
 
@@ -315,17 +315,22 @@ def _refused_text(p: Path) -> str:
             f"{f' (filesystem type {fstype})' if fstype else ''}")
 
 
-def _kind_of(p: str | os.PathLike[str]) -> str:
-    """What ``p`` is, by lstat: a broken symlink names its target."""
+def file_kind(path: str | os.PathLike[str]) -> str:
+    """What ``path`` is, from lstat (and stat through a symlink), for a
+    message that refuses it: a broken symlink names its target.
+
+    >>> file_kind("/proc")
+    'a directory'
+    """
     try:
-        mode = os.lstat(p).st_mode
+        mode = os.lstat(path).st_mode
     except OSError as exc:
-        return f"not there ({os.strerror(exc.errno or 0)})"
+        return f"not there ({explain(exc, path).text})"
     if stat.S_ISLNK(mode):
-        if not os.path.exists(p):
-            return f"a broken symlink (to {os.readlink(p)}, which does not exist)"
-        return f"a symlink to {os.readlink(p)}, which is {_not_regular(p) or 'a regular file'}"
-    return _not_regular(p) or "a regular file"
+        if not os.path.exists(path):
+            return f"a broken symlink (to {os.readlink(path)}, which does not exist)"
+        return f"a symlink to {os.readlink(path)}, which is {_not_regular(path) or 'a regular file'}"
+    return _not_regular(path) or "a regular file"
 
 
 def _not_regular(path: str | os.PathLike[str]) -> str | None:
@@ -337,7 +342,7 @@ def _not_regular(path: str | os.PathLike[str]) -> str | None:
         return None
     return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
             "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "not a regular file")
+            else f"of file type {stat.S_IFMT(mode):o}")
 
 
 def _file_nr() -> str:

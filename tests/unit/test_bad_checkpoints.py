@@ -18,6 +18,7 @@ from __future__ import annotations
 import builtins
 import errno
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -95,13 +96,27 @@ def _break(kind: str, ckpt: Path) -> str:
         return "invalid offset"
     if kind == "directory_named_shard":
         (ckpt / "model-extra.safetensors").mkdir()
-        return "model-extra.safetensors: is not a regular file"
+        return "model-extra.safetensors: is a directory, not a regular file"
+    # What a shard is, said from lstat/stat, not guessed ("a directory, a
+    # broken link or a special file?"): each kind names itself.
+    if kind == "broken_link_shard":
+        (ckpt / "model-extra.safetensors").symlink_to(ckpt / "gone.safetensors")
+        return (f"model-extra.safetensors: {ckpt}/model-extra.safetensors is a symlink to {ckpt}/gone.safetensors, "
+                "which does not exist")
+    if kind == "fifo_shard":
+        os.mkfifo(ckpt / "model-extra.safetensors")
+        return "model-extra.safetensors: is a FIFO, not a regular file"
+    if kind == "link_to_directory_shard":
+        (ckpt / "sub").mkdir()
+        (ckpt / "model-extra.safetensors").symlink_to(ckpt / "sub")
+        return f"model-extra.safetensors: is a symlink to {ckpt}/sub, which is a directory, not a regular file"
     raise AssertionError(kind)
 
 
 KINDS = [
     "missing_dir", "empty_dir", "not_safetensors", "truncated_header", "header_beyond_file",
-    "overlapping_offsets", "out_of_range_offsets", "directory_named_shard",
+    "overlapping_offsets", "out_of_range_offsets", "directory_named_shard", "broken_link_shard", "fifo_shard",
+    "link_to_directory_shard",
 ]
 
 
