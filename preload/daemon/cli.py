@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,23 @@ def _preload(args: argparse.Namespace) -> int:
     return launcher.run(opts)
 
 
+def _check_given_root(root: str, otherwise: str) -> None:
+    """A ``--socket-root`` typed on the command line exists as a directory.
+    A mistyped one would read as "no daemons" (status) or "nothing to stop"
+    (stop); the default root or PRELOAD_GATE_SOCKET_ROOT's, not there yet,
+    is normal (no daemon has started) and is not checked here."""
+    from pgbase.oscause import describe
+
+    try:
+        st = os.stat(root)
+    except OSError as exc:
+        raise PreloadGateError(f"--socket-root {root} cannot be used: {describe(exc, root)}; name the directory "
+                               f"the daemons were started with (preload --socket-root DIR), or {otherwise}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise PreloadGateError(f"--socket-root {root} is not a directory; name the directory daemons were started "
+                               "with (preload --socket-root DIR)")
+
+
 def _roots(args: argparse.Namespace) -> tuple[list[Path], list[dict[str, str]]]:
     """The roots to scan: the one asked for; else the default one and every
     root a live daemon registered (preload.daemon.registry), with refusals."""
@@ -107,9 +125,7 @@ def _roots(args: argparse.Namespace) -> tuple[list[Path], list[dict[str, str]]]:
     from preload.sockets import default_socket_root
 
     if args.socket_root:
-        if os.path.lexists(args.socket_root) and not os.path.isdir(args.socket_root):
-            raise PreloadGateError(f"--socket-root {args.socket_root} is not a directory; name the directory "
-                                   "daemons were started with (preload --socket-root DIR)")
+        _check_given_root(args.socket_root, "leave it out to list every root this user's daemons registered")
         return [Path(args.socket_root)], []
     registered, refused = live_roots()
     return list(dict.fromkeys([default_socket_root(), *registered])), refused
@@ -157,6 +173,8 @@ def _stop(args: argparse.Namespace) -> int:
     from preload.sockets import default_socket_root
 
     target = stop.parse_target(args.target, args.all)
+    if args.socket_root:
+        _check_given_root(args.socket_root, f"leave it out for the default root {default_socket_root()}")
     root = args.socket_root or str(default_socket_root())
     if os.path.lexists(root) and not os.path.isdir(root):
         raise PreloadGateError(f"--socket-root {root} is not a directory; name the directory daemons were started "

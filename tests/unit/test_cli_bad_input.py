@@ -234,6 +234,14 @@ BAD = [
     ("stop", ["stop", "{base}/afile"], None, "{base}/afile is not a directory"),
     ("stop", ["stop", "xyz", "--all"], None, "not both"),
     ("stop", ["stop", "--all", "--socket-root", "{base}/afile"], None, "is not a directory"),
+    # A typed --socket-root that is not there: a typo would read as "no
+    # daemons" / "nothing to stop" (control: test_unset_root_that_is_not_there_yet_is_normal).
+    ("status", ["status", "--socket-root", "{base}/no-such-root"], None,
+     "--socket-root {base}/no-such-root cannot be used: {base}/no-such-root does not exist; name the directory"),
+    ("stop", ["stop", "--all", "--socket-root", "{base}/no-such-root"], None,
+     "--socket-root {base}/no-such-root cannot be used: {base}/no-such-root does not exist"),
+    ("stop", ["stop", "{ckpt}", "--socket-root", "{base}/gone/root"], None,
+     "its directory {base}/gone does not exist"),
     # A real row named: the directory checks refuse before it runs (row names
     # and --param values are checked before them, so no probe precedes a refusal).
     ("bench", ["bench", "--out", "{base}/afile", "--only", "restart_identity"], None, "is not a directory"),
@@ -330,6 +338,20 @@ def test_good_pipeline_and_vllm_choices_pass_the_dry_run_checks(world):
     assert p.returncode == 0, p.stderr
     assert len(json.loads(p.stdout)["ranks"]) == 2
     assert after == before, f"new on disk: {sorted(after - before)}"
+
+
+@pytest.mark.parametrize("argv", [["status"], ["stop", "--all"]], ids=["status", "stop"])
+def test_unset_root_that_is_not_there_yet_is_normal(world, argv):
+    """Control for the typed --socket-root rows: the same missing root from
+    PRELOAD_GATE_SOCKET_ROOT (or the default) is where no daemon has started
+    yet: exit 0, nothing found, nothing made."""
+    missing = str(world["base"] / "no-such-root")
+    p, before, after = _run(world, argv, {"PRELOAD_GATE_SOCKET_ROOT": missing})
+    assert p.returncode == 0, p.stderr
+    assert "cannot be used" not in p.stderr + p.stdout
+    if argv == ["status"]:
+        assert f"no preload daemons found under {missing}" in p.stdout, p.stdout
+    assert not os.path.lexists(missing) and after == before
 
 
 def test_every_verb_has_a_row():
