@@ -479,9 +479,19 @@ def disk_line(r: DaemonRecord) -> str:
     return f"stale: {ckpt} changed ({what}); engines on it will miss; run: {d.fix}"
 
 
+# The settings an operator compares with an engine's arguments (--dtype,
+# --kv-cache-dtype, --quantization, --model-impl, the vLLM release): named on
+# the key line whenever the key carries them, at their default too ("auto"),
+# so a text status answers "does this daemon match my engine" without --json.
+_KEY_ALWAYS = ("config_digest", "architecture", "dtype", "kv_cache_dtype", "quantization", "model_impl",
+               "vllm_version")
+
+
 def _key_text(key: dict[str, Any] | None) -> str:
-    """The key's layout, then every other field that is not its default
-    (content digest, stage and transport are on their own lines)."""
+    """The key's layout, then in the key's field order: every field of
+    :data:`_KEY_ALWAYS` that is set (not None or empty), and every other field
+    that is not at its default (content digest, stage and transport are on
+    their own lines)."""
     if not key:
         return "(none)"
     shown = {"content_digest", "export_stage", "transport", "tp_size", "tp_rank", "pp_size", "pp_rank",
@@ -489,8 +499,9 @@ def _key_text(key: dict[str, Any] | None) -> str:
     parts = [f"tp {key.get('tp_rank')}/{key.get('tp_size')} pp {key.get('pp_rank')}/{key.get('pp_size')} "
              f"dp {key.get('dp_rank')}/{key.get('dp_size')}"]
     for f in dataclasses.fields(WeightCacheKey):
-        value = key.get(f.name, f.default)  # fields sent only when set are absent at their default
-        if f.name in shown or value == f.default:
+        # A field sent only when set is absent at its default (key.SENT_WHEN_SET): absent means the default.
+        value = key.get(f.name, f.default)
+        if f.name in shown or value in (None, "") or (value == f.default and f.name not in _KEY_ALWAYS):
             continue
         text = short_digest(value) if isinstance(value, str) and f.name.endswith("_digest") else value
         parts.append(f"{f.name}={text}")

@@ -213,5 +213,23 @@ def test_status_shows_no_field_that_travels_only_when_set_at_its_default() -> No
     from preload.identity.key import SENT_WHEN_SET
 
     text = _key_text(KEY.to_json())
-    assert not [n for n in SENT_WHEN_SET if f"{n}=" in text], text
+    assert not [n for n in SENT_WHEN_SET - {"model_impl"} if f"{n}=" in text], text
+    assert "model_impl=auto" in text  # absent on the wire means the default, named as such (not None)
     assert "model_impl=transformers" in _key_text(dataclasses.replace(KEY, model_impl="transformers").to_json())
+
+
+def test_status_key_line_names_every_engine_setting_the_key_sets() -> None:
+    """Text status names what ``--json`` does for the settings an operator
+    matches against an engine (dtype, kv-cache dtype, model_impl, the vLLM
+    release), at their default too, in the key's field order (was: only the
+    layout, config_digest, architecture and fields off their default).
+    Control: a raw key, which sets no dtype and no vLLM release, names none."""
+    from preload.daemon.status import _key_text
+
+    text = _key_text(KEY.to_json())
+    want = ["tp 1/2 pp 0/1 dp 0/1", "architecture=LlamaForCausalLM", "dtype=bfloat16", "kv_cache_dtype=auto",
+            "model_impl=auto", "vllm_version=0.33.0"]
+    assert [text.index(w) for w in want] == sorted(text.index(w) for w in want), text
+    assert "moe_backend=" not in text and "is_draft=" not in text  # off-default only: concise
+    raw = _key_text(WeightCacheKey(content_digest="ab" * 32, architecture="X", export_stage="raw").to_json())
+    assert "dtype=" not in raw.replace("kv_cache_dtype=", "") and "vllm_version=" not in raw, raw
