@@ -314,3 +314,57 @@ def test_every_file_transformers_reads_back_is_an_answer_file(saved, case: str, 
     # Control: the check reports a file transformers read that the rule leaves out.
     for name in sorted(read & RULE.names):
         assert uncovered(read, folder, RULE.without(name)) == [name], (case, name)
+
+
+# --- a name only the installed transformers knows --------------------------
+
+NEW_NAME = "brand_new_vocab.dat"  # no name held here, no pattern picks it
+
+
+def _with_class_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A newer BertTokenizer that reads one more vocabulary file."""
+    monkeypatch.setattr(transformers.BertTokenizer, "vocab_files_names",
+                        {**transformers.BertTokenizer.vocab_files_names, "extra_file": NEW_NAME})
+
+
+def _with_constant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A newer transformers whose audio tokenizer config has another name."""
+    from transformers import utils
+
+    monkeypatch.setattr(utils, "AUDIO_TOKENIZER_NAME", NEW_NAME)
+
+
+@pytest.fixture
+def fresh_owner_caches():
+    """The owners' answers are cached per process: asked again around a patch."""
+    cached = (af._transformers_names, af._vocab_files_of)  # the real ones: a test may patch them out
+    for f in cached:
+        f.cache_clear()
+    yield
+    for f in cached:
+        f.cache_clear()
+
+
+@pytest.mark.parametrize("newer", [_with_class_name, _with_constant], ids=["vocab_files_names", "constant"])
+@pytest.mark.parametrize("asked", [True, False], ids=["asked at run time", "control: lookup bypassed"])
+def test_a_name_only_the_installed_transformers_knows_is_covered(newer, asked: bool, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  fresh_owner_caches) -> None:
+    """The run-time lookup (``select``'s ``ask_owners`` branch) is what covers a
+    file a newer transformers reads: an edit of it changes the answer
+    identity. Control: the same folder, the same patched transformers, with
+    the lookup bypassed (the owners answer nothing): the file is not covered
+    and its edit goes unseen, so the branch is what covers it."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer"}))
+    (tmp_path / NEW_NAME).write_text("a b c\n")
+    newer(monkeypatch)
+    if not asked:
+        monkeypatch.setattr(af, "_transformers_names", lambda: frozenset())
+        monkeypatch.setattr(af, "_vocab_files_of", lambda name: frozenset())
+    recorded = af.answer_files(tmp_path)
+    (tmp_path / NEW_NAME).write_text("a b d\n")
+    seen = [str(c) for c in af.changes(recorded, tmp_path)]
+    if asked:
+        assert NEW_NAME in recorded and seen == [f"{NEW_NAME} changed"], (recorded, seen)
+    else:
+        assert NEW_NAME not in recorded and seen == [], (recorded, seen)
