@@ -15,8 +15,9 @@ no store runs, so nothing is stored), whether or not a daemon still served
 them: eviction is explicit (issue 26).
 
 A target is a checkpoint directory (its daemons, the stored arenas whose
-record names its real path, and the digest its promotion manifest names),
-or a digest: 64 hex characters, or a prefix of at least 16 (the socket
+record names its real path, and the digest its promotion manifest names);
+a path no longer there that a daemon or stored arena recorded (its folder
+renamed since: what ``status`` shows); or a digest: 64 hex characters, or a prefix of at least 16 (the socket
 directory's name, as ``status`` prints it) that must name one digest.
 """
 
@@ -53,6 +54,10 @@ class Target:
     checkpoint: str | None = None
     digest: str | None = None
     all: bool = False
+    # The value as typed when no folder is there now: a daemon whose recorded
+    # checkpoint is that path (its folder renamed or removed since) is still
+    # stopped by it, as status shows it; nothing matching is a refusal.
+    gone: str | None = None
 
     def __str__(self) -> str:
         return "everything" if self.all else self.checkpoint or str(self.digest)
@@ -60,8 +65,10 @@ class Target:
 
 def parse_target(value: str | None, all_: bool) -> Target:
     """``stop``'s positional argument and ``--all`` as a :class:`Target`;
-    StopError (one line, exit 2) for neither, both, or a value that is
-    neither a checkpoint directory nor a digest."""
+    StopError (one line, exit 2) for neither, both, or a file. A value that
+    is neither a directory nor a digest is kept as the path a daemon may
+    have recorded (:attr:`Target.gone`); :func:`stop` refuses it when no
+    daemon or stored arena names it."""
     if all_ and value:
         raise StopError(
             f"give a digest or checkpoint, or --all, not both (got {value!r} and --all)"
@@ -79,9 +86,14 @@ def parse_target(value: str | None, all_: bool) -> Target:
         return Target(digest=value)
     if os.path.lexists(value):
         raise StopError(f"{value} is not a directory; name a checkpoint directory or a digest")
-    raise StopError(
-        f"{value!r} is neither a checkpoint directory nor a digest (64 hex, or the first 16 or more "
-        "as status prints them)"
+    return Target(checkpoint=os.path.realpath(value), gone=value)
+
+
+def _not_found(target: Target) -> StopError:
+    return StopError(
+        f"{target.gone!r} is neither a checkpoint directory nor a digest (64 hex, or the first 16 or more "
+        "as status prints them), and no daemon's recorded checkpoint is "
+        f"{target.checkpoint}; run preload-gate status to see each daemon's digest and checkpoint"
     )
 
 
@@ -231,6 +243,8 @@ def stop(
             for a in stored
             if _matches(target, a.get("digest"), a.get("checkpoint"))
         }
+        if target.gone is not None and not wanted:
+            raise _not_found(target)  # before anything is signalled or dropped
         if target.checkpoint is not None:
             manifest = _manifest_digest(target.checkpoint)
             if manifest is not None:

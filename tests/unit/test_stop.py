@@ -293,3 +293,35 @@ def test_an_ambiguous_prefix_is_refused(world: dict, capsys) -> None:
     err = capsys.readouterr().err
     assert "names 2 digests" in err and err.count("\n") == 1
     assert world["store"].drops == []  # nothing dropped on a refusal
+
+
+@pytest.mark.parametrize("typed", ["absolute", "relative"])
+def test_a_renamed_folder_is_stopped_by_the_path_status_shows(
+    world: dict, typed: str, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """The folder a live daemon serves was renamed: the path status shows (the
+    recorded checkpoint) still names the daemon (was: "'ckpt-a' is neither a
+    checkpoint directory nor a digest", exit 2)."""
+    recorded = world["ckpt_a"]
+    recorded.rename(recorded.with_name("ckpt-a-moved"))
+    monkeypatch.chdir(recorded.parent)
+    target = str(recorded) if typed == "absolute" else "./x/../ckpt-a"  # normalized as status shows it
+    rc = main(["stop", target, "--socket-root", str(world["root"]), "--timeout", "10"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert not world["a"].alive() and world["b"].alive()
+    assert world["store"].drops == [(A, None)]
+    assert f"stopped {A[:16]} rank 0 pid {world['a'].rank_pid}" in out
+
+
+def test_control_a_gone_path_no_daemon_recorded_is_refused_with_what_to_run(world: dict, capsys) -> None:
+    """Control: a path that is not there and that no daemon or stored arena
+    recorded is still refused, before anything is signalled or dropped, and
+    says where to look."""
+    gone = world["root"].parent / "never-served"
+    assert _run(["stop", str(gone), "--socket-root", str(world["root"])]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is neither a checkpoint directory nor a digest" in err, err
+    assert f"no daemon's recorded checkpoint is {gone}" in err
+    assert "run preload-gate status to see each daemon's digest and checkpoint" in err
+    assert world["a"].alive() and world["b"].alive() and world["store"].drops == []
