@@ -19,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -314,6 +315,43 @@ def test_values_vllm_decides_are_refused_by_vllm(world, verb, argv, env, needle)
     pytest.importorskip("vllm")
     p, before, after = _run(world, argv, env)
     check_refusal(p, before, after, needle)
+
+
+# --ray ADDRESS is read by Ray's own helpers (harness.gate.ray_executor.ray_endpoint):
+# these rows need ray installed. Each is refused before the gate connects or
+# starts anything; the unreachable ones (a closed port) by a bounded TCP
+# probe, not Ray's minutes of retries.
+RAY_BAD = [
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", "notanaddress"], None,
+     "--ray 'notanaddress' is not an address; give HOST:PORT"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", ""], None, "--ray '' is not an address"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", "head:abc"], None,
+     "has port 'abc', not a number from 1 to 65535"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", "head:70000"], None,
+     "has port '70000', not a number from 1 to 65535"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", ":6379"], None, "names no host"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", "ray://head"], None,
+     "--ray 'ray://head' is not an address"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", "http://head:8265"], None,
+     "has scheme http://, which names no Ray cluster"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", "auto"], {"RAY_ADDRESS": "nope"},
+     "--ray auto: RAY_ADDRESS 'nope' is not an address"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", "127.0.0.1:{free}"], None,
+     "--ray 127.0.0.1:{free}: cannot reach a Ray cluster at "),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", "ray://127.0.0.1:{free}"], None,
+     "--ray ray://127.0.0.1:{free}: cannot reach a Ray cluster at 127.0.0.1:{free} (Connection refused)"),
+]
+
+
+@pytest.mark.parametrize("verb,argv,env,needle", RAY_BAD, ids=[b[1][-1] or "empty" for b in RAY_BAD])
+def test_bad_ray_address_is_refused_before_anything_starts(world, verb, argv, env, needle):
+    pytest.importorskip("ray")
+    t0 = time.monotonic()
+    p, before, after = _run(world, argv, env)
+    check_refusal(p, before, after, needle.replace("{free}", str(world["free"])))
+    # Ray itself retried a closed GCS port for minutes; the probe gives up in
+    # seconds (the rest is importing vLLM for the checkpoint check).
+    assert time.monotonic() - t0 < 60
 
 
 @pytest.mark.parametrize("argv", GOOD_DRY_RUN, ids=[" ".join(a[2:]) for a in GOOD_DRY_RUN])
