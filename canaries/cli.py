@@ -124,17 +124,23 @@ def _preflight_record(model: str, out: str, engine: dict) -> None:
 
 
 def http_url(value: str) -> str:
-    """``--base-url`` as argparse takes it: an http(s) URL with a host, refused
-    at parse time, before any request is retried against it."""
-    from urllib.parse import urlparse
+    """``--base-url`` as argparse takes it: an http(s) URL with a host and, if
+    it names one, a port from 1 to 65535, refused at parse time (urllib's
+    reading, ``.port`` included), before any request is retried against it."""
+    from urllib.parse import urlsplit
 
+    example = "give e.g. http://127.0.0.1:8000"
     try:
-        u = urlparse(value)
-        ok = u.scheme in ("http", "https") and bool(u.hostname)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an http(s) URL with a host; give e.g. http://127.0.0.1:8000")
+        u = urlsplit(value)
+        port = u.port  # raises ValueError for a port out of range or not a number
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r}: {exc}; {example}") from None
+    if u.scheme not in ("http", "https") or not u.hostname:
+        why = ("no //HOST part" if not u.netloc else "no host" if not u.hostname
+               else f"scheme {u.scheme or '(none)'}:// is not http or https")
+        raise argparse.ArgumentTypeError(f"{value!r} is not an http(s) URL with a host ({why}); {example}")
+    if port == 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: port 0 is no port a replica listens on; {example}")
     return value
 
 
@@ -169,6 +175,11 @@ def _check(args: argparse.Namespace) -> int:
     from canaries.fit import check_fit
     from preload.deployment import stated_args
 
+    if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
+        # Before the golden is compared with it: a missing folder is not "config_digest=none".
+        from pgbase.shards import not_a_directory
+
+        raise GoldenError(f"--checkpoint: {not_a_directory(args.checkpoint)}")
     golden = load_golden(args.golden)
     check_fit(golden, stated_args(args), args.checkpoint)
     urls: list[str] = args.base_urls

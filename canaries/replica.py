@@ -141,7 +141,7 @@ class Replica:
             except ReplicaFailure as exc:
                 failure = exc
             except Exception as exc:  # a surprise is this replica's failure, not the whole check's
-                failure = ReplicaFailure("error", f"{type(exc).__name__}: {exc}")
+                failure = _surprise(exc)
             if not failure.retryable or attempts > self.retries:
                 return ReplicaResult(self.base_url, False, failure.reason, str(failure)), attempts
             await asyncio.sleep(_BACKOFF_S * attempts)
@@ -355,3 +355,24 @@ class Replica:
                 f"(tolerance {self.tolerance:g})"
             )
         return out
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups: what went wrong, not the TaskGroup that carried it."""
+    # By shape, not by name: on Python 3.10 the group is the exceptiongroup backport's.
+    subs = getattr(exc, "exceptions", None)
+    if isinstance(subs, tuple) and subs and all(isinstance(e, BaseException) for e in subs):
+        return [leaf for sub in subs for leaf in _leaves(sub)]
+    return [exc]
+
+
+def _surprise(exc: Exception) -> ReplicaFailure:
+    """A failure the client did not map (see :meth:`Replica._call`), by its real
+    cause: the HTTP stack's task groups (anyio's connect) raise an
+    ExceptionGroup around it. A connection error among them is ``unreachable``
+    (retried, as the client's own), anything else an ``error``."""
+    leaves = _leaves(exc)
+    text = "; ".join(dict.fromkeys(f"{type(e).__name__}: {e}" for e in leaves))
+    if any(isinstance(e, ConnectionError) for e in leaves):
+        return ReplicaFailure("unreachable", f"cannot connect ({text})", retryable=True)
+    return ReplicaFailure("error", text)

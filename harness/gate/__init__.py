@@ -102,13 +102,16 @@ def run_gate(opts: GateOptions, executor: Executor | None = None) -> GateReport:
         tolerance=opts.tolerance,
         vllm_version=vllm_version(),
     )
+    executor = executor or LocalExecutor(opts.jobs, opts.cores)
+    # A cluster is connected here (a Ray head that does not answer is one
+    # line), before any directory is made or anything starts.
+    report.executor = executor.describe()
     own_workdir = opts.workdir is None
     workdir = Path(opts.workdir or tempfile.mkdtemp(prefix=f"preload-gate-{target.name}-"))
     socket_root = opts.socket_root or tempfile.mkdtemp(prefix="pg-sock-")
     os.chmod(socket_root, 0o700)
     plan = plan_for(opts, workdir, socket_root, executor)
-    executor, digests = plan.executor, plan.digests
-    report.executor = executor.describe()
+    digests = plan.digests
     try:
         run_cases(plan, cases, report)
         if not self_test and opts.record_golden and report.verdict == PASS:

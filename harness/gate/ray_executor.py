@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -57,6 +58,8 @@ from pgbase import atomic
 
 EXTRA = "pip install 'preload-gate[ray]'"
 LOG_BYTES = 1 << 20  # the end of an engine's log that comes back to the report's workdir
+REACH_TIMEOUT_S = 5.0  # a head that takes longer to accept a TCP connection is treated as unreachable
+FORMS = "HOST:PORT (the GCS, default port 6379), ray://HOST:PORT (Ray Client, default 10001), auto or local"
 
 
 def import_ray() -> Any:
@@ -65,6 +68,66 @@ def import_ray() -> Any:
     except ImportError as exc:
         raise GateSetupError(f"--ray needs the ray package ({exc}); install it: {EXTRA}") from None
     return ray
+
+
+def ray_endpoint(address: str, flag: str = "--ray") -> tuple[str, int] | None:
+    """Where ``ray.init(address=address)`` connects: ``(host, port)``, or None
+    for ``local`` (Ray starts a cluster in this process). GateSetupError names
+    a malformed address, before anything starts.
+
+    The reading is Ray's own: an address with ``://`` goes to Ray Client
+    (``ray.client``: only its ``ray`` scheme is a cluster), any other to
+    ``canonicalize_bootstrap_address``, which ``ray.init`` calls and which
+    turns ``localhost`` into the node's address (so the probe below knocks
+    where Ray would). Ray leaves the port unchecked (``h:abc`` reaches the
+    GCS client and retries there): a port that is no number from 1 to 65535
+    is refused here.
+
+    >>> ray_endpoint("ray://head:10001")  # doctest: +SKIP
+    ('head', 10001)
+    """
+    from ray._common.network_utils import parse_address
+    from ray._private.services import canonicalize_bootstrap_address
+    from ray._private.utils import split_address
+
+    def bad(why: str) -> GateSetupError:
+        return GateSetupError(f"{flag} {address!r} {why}; give {FORMS}")
+
+    client = "://" in address
+    if client:
+        scheme, inner = split_address(address)
+        if scheme != "ray":
+            raise bad(f"has scheme {scheme}://, which names no Ray cluster (http(s) is the dashboard's)")
+    elif address == "local":  # ray.init starts a cluster in this process: nothing to reach
+        return None
+    else:
+        inner = address
+    parsed = parse_address(inner)
+    if parsed is None:
+        raise bad("is not an address")
+    host, port = parsed
+    if not host:
+        raise bad("names no host")
+    if not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise bad(f"has port {port!r}, not a number from 1 to 65535")
+    if not client:  # localhost -> the node's address, as ray.init connects
+        host = parse_address(canonicalize_bootstrap_address(address))[0]
+    return host, int(port)
+
+
+def check_reachable(label: str, endpoint: tuple[str, int], timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """A TCP connection to where Ray would connect, before ``ray.init``: Ray
+    retries an unreachable GCS for minutes; this refuses in ``timeout_s``.
+    Only the TCP handshake is made (closed at once), nothing of Ray's protocol."""
+    host, port = endpoint
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        why = f"no answer in {timeout_s:.0f} s" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise GateSetupError(
+            f"{label}: cannot reach a Ray cluster at {host}:{port} ({why}); on the head node run "
+            f"`ray status` and check the port (ray start --head --port, default 6379; ray://HOST:10001 "
+            "for Ray Client), or use --ray auto with RAY_ADDRESS set") from None
 
 
 def parse_resources(items: Sequence[str]) -> dict[str, float]:
@@ -140,8 +203,9 @@ class _DaemonHost:
 class RayExecutor:
     """Engines as Ray tasks on a cluster (see the module docstring).
 
+    The address's shape is checked on construction (:func:`ray_endpoint`);
     Ray is connected on first use (after the gate's own checks of its
-    input). Jobs are admitted against the alive nodes' resources as this
+    input), once a TCP probe found the head (:func:`check_reachable`). Jobs are admitted against the alive nodes' resources as this
     executor has handed them out, so a job's deadline counts from the moment
     a node has room for it, never from a queue behind other engines; a
     job's placements are tried least busy first (so a self-test's cached
@@ -161,6 +225,13 @@ class RayExecutor:
         if address == "auto" and not os.environ.get("RAY_ADDRESS"):
             raise GateSetupError("--ray auto reads RAY_ADDRESS, which is not set; give the cluster's address "
                                  "(ray://HOST:10001 or HOST:6379)")
+        # Its shape now, before the gate's first check; whether it answers, on connecting.
+        if address == "auto":
+            self._label = f"--ray auto (RAY_ADDRESS={os.environ['RAY_ADDRESS']})"
+            self._endpoint = ray_endpoint(os.environ["RAY_ADDRESS"], "--ray auto: RAY_ADDRESS")
+        else:
+            self._label = f"--ray {address}"
+            self._endpoint = ray_endpoint(address)
         self.address = address
         self.resources = dict(resources or {})
         self.max_attempts = max(1, max_attempts)
@@ -176,7 +247,15 @@ class RayExecutor:
             if self._connected:
                 return
             if not self.ray.is_initialized():
-                self.ray.init(address=self.address, log_to_driver=False)
+                if self._endpoint is not None:
+                    check_reachable(self._label, self._endpoint)
+                try:
+                    self.ray.init(address=self.address, log_to_driver=False)
+                except Exception as exc:  # reachable, yet no cluster answered there (or it refused us)
+                    raise GateSetupError(
+                        f"{self._label}: Ray could not connect ({_why(exc)}); on the head node run `ray status` "
+                        "and check this is its GCS port (default 6379) or Ray Client port (ray://HOST:10001)"
+                    ) from None
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             self._affinity = NodeAffinitySchedulingStrategy

@@ -480,3 +480,30 @@ def test_token_verdict_survives_a_replica_that_hangs_on_detokenize(replicas) -> 
     assert res.first_difference["got_id"] == 777 and res.first_difference["got_text"] == "<id 777>"
     assert res.first_difference["expected_text"] == "<31>"
     assert elapsed < BOUND_S  # the detokenize hangs for HANG_S
+
+
+@pytest.mark.parametrize(("url", "reason", "cause"), [
+    # The URL the CLI refuses (http_url), asked through the API: anyio's connect
+    # raises an ExceptionGroup around the OverflowError, past the client's mapping.
+    ("http://127.0.0.1:99999", "error", "OverflowError: connect(): port must be 0-65535"),
+])
+def test_an_exception_group_from_the_client_is_named_by_its_cause(url, reason, cause) -> None:
+    report, elapsed = run_check([url])
+    res = report.results[0]
+    assert (res.ok, res.reason) == (False, reason), res.detail
+    assert cause in res.detail and "ExceptionGroup" not in res.detail and "TaskGroup" not in res.detail, res.detail
+    assert elapsed < BOUND_S
+
+
+def test_surprise_unwraps_nested_groups_and_a_connection_error_is_unreachable() -> None:
+    import builtins
+
+    from canaries.replica import _surprise
+
+    # A builtin from Python 3.11; before it, the backport anyio raises.
+    group = getattr(builtins, "ExceptionGroup", None) or pytest.importorskip("exceptiongroup").ExceptionGroup
+    nested = group("outer", [group("inner", [ConnectionRefusedError(111, "refused")])])
+    f = _surprise(nested)
+    assert (f.reason, f.retryable) == ("unreachable", True) and "ConnectionRefusedError" in str(f), str(f)
+    # Control: a plain surprise keeps its own name.
+    assert str(_surprise(KeyError("x"))) == "KeyError: 'x'"

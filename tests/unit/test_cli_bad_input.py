@@ -19,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,13 @@ def world(tmp_path_factory, tiny_ckpt):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
+    # A valid golden with a config digest, for the canary rows that must get past reading it.
+    from canaries.golden import Golden, GoldenPrompt, Sampling
+
+    golden = Golden("ab" * 32, "0.32.0", Sampling(max_tokens=1, top_logprobs=1),
+                    [GoldenPrompt("p", [1, 2], [3], "x", [-0.5], [{"3": -0.5}])], token_texts={"3": "x"},
+                    config_digest="c" * 64, tokenizer_digest="d" * 64)
+    (base / "golden.json").write_text(json.dumps(golden.to_json()))
     yield {"base": base, "ckpt": ckpt, "port": busy.getsockname()[1], "long": base / ("d" * 60) / ("e" * 40),
            "gqa": gqa, "free": free, "broken": broken}
     busy.close()
@@ -229,6 +237,35 @@ BAD = [
      "is not a dtype vLLM takes"),
     ("canary", ["canary", "check", "--base-url", "not-a-url", "--golden", "{base}/g.json"], None,
      "is not an http(s) URL"),
+    # --base-url as urllib reads it (its .port too), refused before any request
+    # (a port past 65535 was "FAIL ...: ExceptionGroup: unhandled errors in a TaskGroup", exit 1).
+    ("canary", ["canary", "check", "--base-url", "http://127.0.0.1:99999", "--golden", "{base}/golden.json"], None,
+     "argument --base-url: 'http://127.0.0.1:99999': Port out of range 0-65535"),
+    ("canary", ["canary", "check", "--base-url", "http://127.0.0.1:abc", "--golden", "{base}/golden.json"], None,
+     "'http://127.0.0.1:abc': Port could not be cast to integer value"),
+    ("canary", ["canary", "check", "--base-url", "http://127.0.0.1:0", "--golden", "{base}/golden.json"], None,
+     "'http://127.0.0.1:0': port 0 is no port a replica listens on"),
+    ("canary", ["canary", "check", "--base-url", "ftp://127.0.0.1:8000", "--golden", "{base}/golden.json"], None,
+     "(scheme ftp:// is not http or https)"),
+    ("canary", ["canary", "check", "--base-url", "127.0.0.1:8000", "--golden", "{base}/golden.json"], None,
+     "'127.0.0.1:8000' is not an http(s) URL with a host (no //HOST part)"),
+    ("canary", ["canary", "check", "--base-url", "http://:8000", "--golden", "{base}/golden.json"], None,
+     "(no host)"),
+    # --checkpoint is a folder, or refused by name before the golden is compared
+    # (was: "config.json of /nonexistent has config_digest=none; record a golden ...").
+    ("canary", ["canary", "check", "--base-url", "http://127.0.0.1:9", "--golden", "{base}/golden.json",
+                "--checkpoint", "{base}/nope"], None, "--checkpoint: checkpoint directory {base}/nope does not exist"),
+    ("canary", ["canary", "check", "--base-url", "http://127.0.0.1:9", "--golden", "{base}/golden.json",
+                "--checkpoint", "{base}/afile"], None, "--checkpoint: checkpoint {base}/afile is not a directory"),
+    # The other paths canary takes: a golden that is a folder or not JSON, an events file that is missing.
+    ("canary", ["canary", "check", "--base-url", "http://127.0.0.1:9", "--golden", "{base}/cwd"], None,
+     "cannot read golden file {base}/cwd: Is a directory"),
+    ("canary", ["canary", "check", "--base-url", "http://127.0.0.1:9", "--golden", "{base}/afile"], None,
+     "golden file {base}/afile is not JSON"),
+    ("canary", ["canary", "check", "--base-url", "http://127.0.0.1:9", "--golden", "{base}/golden.json",
+                "--events-file", "{base}/nope"], None, "cannot read events file {base}/nope"),
+    ("canary", ["canary", "record", "--model", "{base}/afile", "--out", "{base}/cwd/g.json"], None,
+     "checkpoint {base}/afile is not a directory"),
     ("status", ["status", "--socket-root", "{base}/afile"], None, "is not a directory"),
     ("stop", ["stop"], None, "name what to stop"),
     ("stop", ["stop", "{base}/afile"], None, "{base}/afile is not a directory"),
@@ -322,6 +359,43 @@ def test_values_vllm_decides_are_refused_by_vllm(world, verb, argv, env, needle)
     pytest.importorskip("vllm")
     p, before, after = _run(world, argv, env)
     check_refusal(p, before, after, needle)
+
+
+# --ray ADDRESS is read by Ray's own helpers (harness.gate.ray_executor.ray_endpoint):
+# these rows need ray installed. Each is refused before the gate connects or
+# starts anything; the unreachable ones (a closed port) by a bounded TCP
+# probe, not Ray's minutes of retries.
+RAY_BAD = [
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", "notanaddress"], None,
+     "--ray 'notanaddress' is not an address; give HOST:PORT"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", ""], None, "--ray '' is not an address"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", "head:abc"], None,
+     "has port 'abc', not a number from 1 to 65535"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", "head:70000"], None,
+     "has port '70000', not a number from 1 to 65535"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", ":6379"], None, "names no host"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", "ray://head"], None,
+     "--ray 'ray://head' is not an address"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", "http://head:8265"], None,
+     "has scheme http://, which names no Ray cluster"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", "auto"], {"RAY_ADDRESS": "nope"},
+     "--ray auto: RAY_ADDRESS 'nope' is not an address"),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", "127.0.0.1:{free}"], None,
+     "--ray 127.0.0.1:{free}: cannot reach a Ray cluster at "),
+    ("gate", ["gate", "{ckpt}", "--mutations", "zeroed_norm", "--ray", "ray://127.0.0.1:{free}"], None,
+     "--ray ray://127.0.0.1:{free}: cannot reach a Ray cluster at 127.0.0.1:{free} (Connection refused)"),
+]
+
+
+@pytest.mark.parametrize("verb,argv,env,needle", RAY_BAD, ids=[b[1][-1] or "empty" for b in RAY_BAD])
+def test_bad_ray_address_is_refused_before_anything_starts(world, verb, argv, env, needle):
+    pytest.importorskip("ray")
+    t0 = time.monotonic()
+    p, before, after = _run(world, argv, env)
+    check_refusal(p, before, after, needle.replace("{free}", str(world["free"])))
+    # Ray itself retried a closed GCS port for minutes; the probe gives up in
+    # seconds (the rest is importing vLLM for the checkpoint check).
+    assert time.monotonic() - t0 < 60
 
 
 @pytest.mark.parametrize("argv", GOOD_DRY_RUN, ids=[" ".join(a[2:]) for a in GOOD_DRY_RUN])

@@ -109,8 +109,11 @@ def cluster(monkeypatch):
         monkeypatch.setitem(sys.modules, "ray", fake)
         monkeypatch.setitem(sys.modules, "ray.util", util)
         monkeypatch.setitem(sys.modules, "ray.util.scheduling_strategies", strategies)
+        from harness.gate import ray_executor
         from harness.gate.ray_executor import RayExecutor
 
+        # The address is read by Ray's own helpers (test_cli_bad_input.py's RAY_BAD rows); the stand-in has none.
+        monkeypatch.setattr(ray_executor, "ray_endpoint", lambda address, flag="--ray": ("head", 10001))
         ex = RayExecutor("ray://head:10001", **kw)
         ex.poll_s = 0.01
         return fake, ex
@@ -221,3 +224,39 @@ def test_cli_ray_auto_without_ray_address_is_refused(tiny_ckpt, tmp_path, monkey
     rc = main(["gate", str(tiny_ckpt), "--mutations", "identical_copy", "--ray", "auto"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--ray auto reads RAY_ADDRESS, which is not set" in err[0], err
+
+
+@pytest.mark.parametrize("address, endpoint", [
+    ("ray://head:10001", ("head", 10001)),
+    ("head:6379", ("head", 6379)),
+    ("10.1.2.3:6379", ("10.1.2.3", 6379)),
+    ("local", None),  # Ray starts a cluster here: nothing to reach
+])
+def test_good_ray_addresses_are_read_as_ray_reads_them(address, endpoint):
+    """Control for the RAY_BAD rows of test_cli_bad_input.py: the forms Ray takes pass the shape check."""
+    pytest.importorskip("ray")
+    from harness.gate.ray_executor import ray_endpoint
+
+    assert ray_endpoint(address) == endpoint
+
+
+def test_an_unreachable_head_is_refused_in_seconds_and_a_listening_one_passes():
+    """The probe before ray.init: a closed port is one GateSetupError naming it,
+    well inside the probe's timeout; control: a port something listens on passes."""
+    import socket
+    import time
+
+    from harness.gate.ray_executor import check_reachable
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(1)
+        check_reachable("--ray x", listening.getsockname())  # no error
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            closed = s.getsockname()
+    t0 = time.monotonic()
+    with pytest.raises(GateSetupError, match=rf"--ray x: cannot reach a Ray cluster at 127.0.0.1:{closed[1]} "
+                                             r"\(Connection refused\); on the head node run `ray status`"):
+        check_reachable("--ray x", closed)
+    assert time.monotonic() - t0 < 5
