@@ -7,7 +7,7 @@ probe (timeout 1 s) that comes next must still get its 200 at once, not after
 that has waited longest for its head; a connection whose head is complete
 (its answer in progress) is never the one closed.
 
-The ranks are a stub of ``health.ask_rank`` (the HTTP side is what is
+The ranks are a stub of ``health.ask_ranks`` (the HTTP side is what is
 under test; test_health_http.py holds the battery against a live daemon).
 Controls: the same probe against the server refusing the newcomer instead
 (today's behaviour before this change) fails; the sockets closed are the idle
@@ -35,7 +35,9 @@ PROBE_TIMEOUT_S = 1.0  # a Kubernetes probe's default timeoutSeconds
 
 @dataclass
 class Ranks:
-    """``ask_rank`` for the server's one (fake) rank; ``hold`` keeps an answer in progress."""
+    """``ask_ranks`` for the server's one (fake) rank; ``hold`` keeps an answer
+    in progress (longer than a real rank's bound, RANK_ANSWER_S: what is under
+    test is that an answer in progress keeps its slot)."""
 
     hold: threading.Event = field(default_factory=threading.Event)
     entered: threading.Event = field(default_factory=threading.Event)
@@ -43,10 +45,15 @@ class Ranks:
     def __post_init__(self) -> None:
         self.hold.set()
 
-    def __call__(self, socket_path: object, connect_timeout_s: float = 2.0) -> health.RankReply:
+    def __call__(self, sockets: list[str], within_s: float = health.RANK_ANSWER_S) -> list[health.RankReply]:
         self.entered.set()
         assert self.hold.wait(30)
-        return health.RankReply({"rank": 0, "digest": "ab" * 32})
+        return [health.RankReply({"rank": 0, "digest": "ab" * 32, **STATS}) for _ in sockets]
+
+
+# What a rank's ``stats`` says beyond its rank and digest (what /metrics reads).
+STATS = {"hits": 3, "misses": {"key_mismatch": 1}, "attach_failures": {}, "attached": 1,
+         "resident_bytes": 1 << 20, "load_seconds": 0.5}
 
 
 @dataclass
@@ -109,7 +116,7 @@ def _serve(kind: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
     if EVICTION[kind] is not None:
         monkeypatch.setattr(health._Connections, "_evictable", EVICTION[kind])
     ranks = Ranks()
-    monkeypatch.setattr(health, "ask_rank", ranks)
+    monkeypatch.setattr(health, "ask_ranks", ranks)
     server = health.HealthServer("127.0.0.1", 0, ["/nonexistent/ab12/rank0.sock"])
     server.start()
     try:
