@@ -20,7 +20,9 @@ loses its connection. A connection that has not sent a complete request head
 never keeps a probe out: when every slot is taken, the newcomer gets the slot of
 the connection that has waited longest for its head (idle after connecting, an
 idle keep-alive, a trickler), which is closed; one whose head is complete keeps
-its slot until it is answered.
+its slot while its answer is in time. One whose client has not taken an answer
+``ANSWER_S`` after it began (a client that sends and never reads: the handler
+is stuck writing to it) is evictable too, once no connection waits for a head.
 
 Every answer comes within a Kubernetes probe's default timeoutSeconds (1 s),
 whatever a rank does: every rank is asked at once, and one that has not
@@ -35,12 +37,16 @@ to report).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import socket
+import struct
+import termios
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -63,6 +69,10 @@ ALLOWED_METHODS = ("GET", "HEAD", "OPTIONS")
 HEAD_DEADLINE_S = 10.0
 IO_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 64
+# An answer whose client has not taken it this long after it began is stuck (the
+# ranks are asked within RANK_ANSWER_S; the rest is a write's allowance): its slot
+# can go to a newcomer when every slot is taken.
+WRITE_ALLOWANCE_S = 0.2
 
 log = logging.getLogger("preload.daemon")
 
@@ -106,6 +116,7 @@ RANK_ANSWER_S = 0.8
 # is later than the wait for it, so a late rank reads as late, not as a timed-out
 # frame (ProtocolError), and no thread outlives a probe by much.
 _ASK_GRACE_S = 0.5
+ANSWER_S = RANK_ANSWER_S + WRITE_ALLOWANCE_S
 
 
 def ask_rank(socket_path: str | Path, connect_timeout_s: float = 2.0, deadline_s: float = 5.0) -> RankReply:
@@ -330,59 +341,96 @@ class _Deadlines:
                 self._cv.wait(min(self._due.values(), default=now + 3600) - now)
 
 
+@dataclass
+class _Slot:
+    """A connection's slot: waiting for a request head since ``since``, or
+    answering (``waiting`` False) since ``since``: the start of the oldest
+    answer its client has not taken (a pipelined request read while the
+    answer before it is still unread keeps the earlier start)."""
+
+    waiting: bool
+    since: float
+    owed_since: float | None = None  # while waiting: when its last answer began
+
+
+def _untaken(conn: socket.socket) -> int:
+    """Bytes written to ``conn`` that its client has not taken (acknowledged)
+    yet: the kernel's send queue (SIOCOUTQ); 0 where it cannot say."""
+    try:
+        out: int = struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):
+        return 0
+    return out
+
+
 class _Connections:
-    """The server's connections, each waiting for a request head (since when)
-    or being answered (None): at most ``limit``, and when full the one that has
-    waited longest for its head gives its slot to the newcomer, so idle or
-    trickling sockets cannot lock a probe out for ``HEAD_DEADLINE_S``."""
+    """The server's connections (:class:`_Slot`), at most ``limit``. When
+    full, a newcomer takes the slot of the one that has waited longest for its
+    head, so idle or trickling sockets cannot lock a probe out for
+    ``HEAD_DEADLINE_S``; failing that, of the one whose client has left an
+    answer untaken longest, past ``ANSWER_S`` (a client that sends and never
+    reads: its handler is stuck writing for ``IO_TIMEOUT_S``). An answer in
+    time, or one its client has taken, keeps its slot."""
 
     def __init__(self, limit: int) -> None:
         self._lock = threading.Lock()
         self._limit = limit
-        self._waiting_since: dict[socket.socket, float | None] = {}
+        self._slots: dict[socket.socket, _Slot] = {}
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._waiting_since)
+            return len(self._slots)
 
     def admit(self, conn: socket.socket) -> bool:
-        """Take a slot for ``conn`` (evicting if need be); False when every slot is mid-answer."""
+        """Take a slot for ``conn`` (evicting if need be); False when every slot is an answer in time."""
         with self._lock:
-            if len(self._waiting_since) >= self._limit:
+            if len(self._slots) >= self._limit:
                 oldest = self._evictable()
                 if oldest is None:
                     return False
-                del self._waiting_since[oldest]
+                del self._slots[oldest]
                 try:
-                    # Read side only: its blocked read returns what arrived, then EOF; a head
+                    # The read side: its blocked read returns what arrived, then EOF, and a head
                     # that was complete by then is still answered (see _Handler.parse_request).
-                    oldest.shutdown(socket.SHUT_RD)
+                    # The write side too where its client leaves what we wrote untaken: its
+                    # handler's blocked write fails (EPIPE) now, not after IO_TIMEOUT_S.
+                    oldest.shutdown(socket.SHUT_RDWR if _untaken(oldest) > 0 else socket.SHUT_RD)
                 except OSError:
                     pass
-            self._waiting_since[conn] = time.monotonic()
+            self._slots[conn] = _Slot(waiting=True, since=time.monotonic())
             return True
 
     def _evictable(self) -> socket.socket | None:
-        waiting = [(t, i, c) for i, (c, t) in enumerate(self._waiting_since.items()) if t is not None]
-        return min(waiting, key=lambda w: (w[0], w[1]))[2] if waiting else None
+        waiting = [(slot.since, i, c) for i, (c, slot) in enumerate(self._slots.items()) if slot.waiting]
+        if waiting:
+            return min(waiting)[2]
+        late = time.monotonic() - ANSWER_S
+        stuck = [(slot.since, i, c) for i, (c, slot) in enumerate(self._slots.items())
+                 if slot.since <= late and _untaken(c) > 0]
+        return min(stuck)[2] if stuck else None
 
     def waiting(self, conn: socket.socket) -> None:
         """``conn`` waits for its next request head (a keep-alive connection between requests)."""
         with self._lock:
             # A fresh connection keeps the stamp admit gave it: its handler thread may start
             # after a newer one's (under load), and eviction must follow arrival, not scheduling.
-            if conn in self._waiting_since and self._waiting_since[conn] is None:
-                self._waiting_since[conn] = time.monotonic()
+            slot = self._slots.get(conn)
+            if slot is not None and not slot.waiting:
+                slot.waiting, slot.owed_since, slot.since = True, slot.since, time.monotonic()
 
     def answering(self, conn: socket.socket) -> None:
-        """``conn``'s head is read: it keeps its slot until answered (an evicted one has none)."""
+        """``conn``'s head is read: it keeps its slot while its answer is in time
+        (an evicted one has none)."""
         with self._lock:
-            if conn in self._waiting_since:
-                self._waiting_since[conn] = None
+            slot = self._slots.get(conn)
+            if slot is not None:
+                owed = slot.owed_since if slot.owed_since is not None and _untaken(conn) > 0 else None
+                slot.waiting, slot.owed_since = False, None
+                slot.since = owed if owed is not None else time.monotonic()
 
     def release(self, conn: socket.socket) -> None:
         with self._lock:
-            self._waiting_since.pop(conn, None)
+            self._slots.pop(conn, None)
 
 
 class _HeadLines:
@@ -418,7 +466,7 @@ class _Server(ThreadingHTTPServer):
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.connections.admit(request):  # every slot mid-answer: refuse this one, serve the others
+        if not self.connections.admit(request):  # every slot an answer in time: refuse this one, serve the others
             self.shutdown_request(request)
             return
         try:
