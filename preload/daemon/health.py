@@ -70,9 +70,9 @@ HEAD_DEADLINE_S = 10.0
 IO_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 64
 # An answer whose client has not taken it this long after it began is stuck (the
-# ranks are asked within RANK_ANSWER_S; the rest is a write's allowance): its slot
-# can go to a newcomer when every slot is taken.
-WRITE_ALLOWANCE_S = 0.2
+# ranks are asked within RANK_ANSWER_S; the rest, to a probe's 1 s, is a write's
+# allowance): its slot can go to a newcomer when every slot is taken.
+WRITE_ALLOWANCE_S = 0.4
 
 log = logging.getLogger("preload.daemon")
 
@@ -106,12 +106,13 @@ class RankReply(NamedTuple):
 
 
 # /health and /metrics answer within a Kubernetes probe's default timeoutSeconds
-# (1 s): every rank is asked at once and given RANK_ANSWER_S in all; what is left
-# is for writing the answer. A busy one is retried for PROBE_CONNECT_S of it, well
-# inside, so that its last try (a daemon at its cap answers it `busy`) and the
-# check of its lock holder also come in time on a loaded host: busy, not late.
-PROBE_CONNECT_S = 0.3
-RANK_ANSWER_S = 0.8
+# (1 s): every rank is asked at once and given RANK_ANSWER_S in all; the rest is
+# for a loaded host to schedule and write the answer (0.2 s was not always enough
+# on two busy cores). A busy one is retried for PROBE_CONNECT_S of it, well inside,
+# so that its last try (a daemon at its cap answers it `busy`) and the check of its
+# lock holder also come in time: busy, not late.
+PROBE_CONNECT_S = 0.25
+RANK_ANSWER_S = 0.6
 # A left-behind ask (a hung rank) ends this long after the bound: its own deadline
 # is later than the wait for it, so a late rank reads as late, not as a timed-out
 # frame (ProtocolError), and no thread outlives a probe by much.
@@ -152,7 +153,7 @@ def ask_rank(socket_path: str | Path, connect_timeout_s: float = 2.0, deadline_s
 def ask_ranks(sockets: Sequence[str], within_s: float = RANK_ANSWER_S) -> list[RankReply]:
     """Every rank's :func:`ask_rank` reply, in the order of ``sockets``, all
     asked at once and back within ``within_s`` seconds whatever a rank does:
-    one that has not answered by then is down ("no answer within 0.8 s",
+    one that has not answered by then is down ("no answer within 0.6 s",
     with its lock holder's state when that says why). The asks left behind
     end by their own deadlines, shortly after."""
     if not sockets:
@@ -211,8 +212,8 @@ def _holder_down(socket_dir: Path, rank: int) -> str | None:
 def _down_lines(sockets: Sequence[str], replies: Sequence[RankReply]) -> str:
     """A 503's body: a line per rank that is down, naming it and why.
 
-    >>> _down_lines(["/run/pg/ab12/rank0.sock"], [RankReply(None, down="no answer within 0.8 s")])
-    'down: rank 0 (/run/pg/ab12/rank0.sock): no answer within 0.8 s\\n'
+    >>> _down_lines(["/run/pg/ab12/rank0.sock"], [RankReply(None, down="no answer within 0.6 s")])
+    'down: rank 0 (/run/pg/ab12/rank0.sock): no answer within 0.6 s\\n'
     """
     return "".join(f"down: rank {_rank_of(Path(s))} ({s}): {r.down or r.refused or 'no answer'}\n"
                    for s, r in zip(sockets, replies, strict=True) if not r.up)
