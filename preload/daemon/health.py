@@ -20,7 +20,14 @@ loses its connection. A connection that has not sent a complete request head
 never keeps a probe out: when every slot is taken, the newcomer gets the slot of
 the connection that has waited longest for its head (idle after connecting, an
 idle keep-alive, a trickler), which is closed; one whose head is complete keeps
-its slot until it is answered.
+its slot while its answer is in time. One whose client has not taken an answer
+``ANSWER_S`` after it began (a client that sends and never reads: the handler
+is stuck writing to it) is evictable too, once no connection waits for a head.
+
+Every answer comes within a Kubernetes probe's default timeoutSeconds (1 s),
+whatever a rank does: every rank is asked at once, and one that has not
+answered within ``RANK_ANSWER_S`` (stopped, hung mid-hello or after it) is
+down, named in the 503's body with why.
 
 The names and labels are what operators' dashboards read; they stay as they
 are even where Prometheus' naming advice would differ (``rank_up`` samples of
@@ -30,17 +37,22 @@ to report).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import socket
+import struct
+import termios
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
+import psutil
 from prometheus_client import make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -57,6 +69,10 @@ ALLOWED_METHODS = ("GET", "HEAD", "OPTIONS")
 HEAD_DEADLINE_S = 10.0
 IO_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 64
+# An answer whose client has not taken it this long after it began is stuck (the
+# ranks are asked within RANK_ANSWER_S; the rest, to a probe's 1 s, is a write's
+# allowance): its slot can go to a newcomer when every slot is taken.
+WRITE_ALLOWANCE_S = 0.4
 
 log = logging.getLogger("preload.daemon")
 
@@ -75,11 +91,13 @@ class RankReply(NamedTuple):
     of another release refuses our protocol version by name). ``busy``: a
     daemon listens but its listen backlog stayed full for the connect
     timeout (:class:`pgbase.errors.DaemonBusyError`): alive, not down.
-    All three None: nothing answers on the socket."""
+    ``down``: why nothing answers on the socket (for a person: nothing
+    listens, no answer in time, its process is stopped)."""
 
     stats: dict[str, Any] | None
     refused: str | None = None
     busy: str | None = None
+    down: str | None = None
 
     @property
     def up(self) -> bool:
@@ -87,55 +105,118 @@ class RankReply(NamedTuple):
         return self.stats is not None or self.busy is not None
 
 
-# /health answers within a Kubernetes probe's default timeoutSeconds (1 s):
-# a busy rank is retried for this long, every rank asked at once.
-PROBE_CONNECT_S = 0.5
+# /health and /metrics answer within a Kubernetes probe's default timeoutSeconds
+# (1 s): every rank is asked at once and given RANK_ANSWER_S in all; the rest is
+# for a loaded host to schedule and write the answer (0.2 s was not always enough
+# on two busy cores). A busy one is retried for PROBE_CONNECT_S of it, well inside,
+# so that its last try (a daemon at its cap answers it `busy`) and the check of its
+# lock holder also come in time: busy, not late.
+PROBE_CONNECT_S = 0.25
+RANK_ANSWER_S = 0.6
+# A left-behind ask (a hung rank) ends this long after the bound: its own deadline
+# is later than the wait for it, so a late rank reads as late, not as a timed-out
+# frame (ProtocolError), and no thread outlives a probe by much.
+_ASK_GRACE_S = 0.5
+ANSWER_S = RANK_ANSWER_S + WRITE_ALLOWANCE_S
 
 
-def ask_rank(socket_path: str | Path, connect_timeout_s: float = 2.0) -> RankReply:
+def ask_rank(socket_path: str | Path, connect_timeout_s: float = 2.0, deadline_s: float = 5.0) -> RankReply:
     """A rank's ``stats`` answer, or why there is none (:class:`RankReply`);
-    a busy rank is retried for ``connect_timeout_s`` seconds."""
+    a busy rank is retried for ``connect_timeout_s`` seconds; each frame of the
+    exchange (hello, stats) must come within ``deadline_s``. Not bounded as a
+    whole: :func:`ask_ranks` is."""
     p = Path(socket_path)
     rank = int(p.stem.removeprefix("rank"))
     try:
-        c = DaemonClient.connect(p.parent, rank, timeout_s=connect_timeout_s, deadline_s=5.0,
+        c = DaemonClient.connect(p.parent, rank, timeout_s=connect_timeout_s, deadline_s=deadline_s,
                                  client="preload-gate-health")
     except DaemonBusyError as exc:
         # A full backlog is also what a stopped rank leaves (nothing accepts; closed
         # probes stay queued): busy only while the rank's lock holder can run.
-        return RankReply(None) if _holder_stopped(p.parent, rank) else RankReply(None, busy=str(exc))
+        stopped = _holder_down(p.parent, rank)
+        return RankReply(None, down=f"{stopped} (its listen backlog is full)") if stopped else \
+            RankReply(None, busy=str(exc))
     except ProtocolError as exc:
         return RankReply(None, refused=str(exc))
-    except PreloadGateError:
-        return RankReply(None)
+    except PreloadGateError as exc:
+        return RankReply(None, down=str(exc))
     try:
         return RankReply(c.stats())
     except ProtocolError as exc:
         return RankReply(None, refused=str(exc))
-    except PreloadGateError:
-        return RankReply(None)
+    except PreloadGateError as exc:
+        return RankReply(None, down=str(exc))
     finally:
         c.close()
 
 
-def _holder_stopped(socket_dir: Path, rank: int) -> bool:
-    """True when the process holding ``rank``'s lock is stopped (SIGSTOP, a
-    debugger), a zombie, or dead: it answers no one, busy or not (psutil's
-    process status, from /proc)."""
-    import psutil
+def ask_ranks(sockets: Sequence[str], within_s: float = RANK_ANSWER_S) -> list[RankReply]:
+    """Every rank's :func:`ask_rank` reply, in the order of ``sockets``, all
+    asked at once and back within ``within_s`` seconds whatever a rank does:
+    one that has not answered by then is down ("no answer within 0.6 s",
+    with its lock holder's state when that says why). The asks left behind
+    end by their own deadlines, shortly after."""
+    if not sockets:
+        return []
+    end = time.monotonic() + within_s
+    pool = ThreadPoolExecutor(max_workers=len(sockets), thread_name_prefix="health-ask")
+    try:
+        asks = [pool.submit(ask_rank, s, min(PROBE_CONNECT_S, within_s), within_s + _ASK_GRACE_S) for s in sockets]
+        done, _ = wait(asks, timeout=max(end - time.monotonic(), 0.0))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # a hung rank must not hold the answer
+    replies = []
+    for sock, ask in zip(sockets, asks, strict=True):
+        if ask not in done:
+            p = Path(sock)
+            stopped = _holder_down(p.parent, _rank_of(p))
+            replies.append(RankReply(None, down=f"no answer within {within_s:g} s" + (f"; {stopped}" if stopped else "")))
+        elif (exc := ask.exception()) is not None:  # no traceback for a probe: say what failed
+            replies.append(RankReply(None, down=f"asking it failed: {type(exc).__name__}: {exc}"))
+        else:
+            replies.append(ask.result())
+    return replies
 
+
+def _rank_of(socket_path: Path) -> int:
+    """The global rank a socket serves (``rank3.sock``: 3); -1 for another name."""
+    try:
+        return int(socket_path.stem.removeprefix("rank"))
+    except ValueError:
+        return -1
+
+
+def _holder_down(socket_dir: Path, rank: int) -> str | None:
+    """Why the process holding ``rank``'s lock answers no one, busy or not:
+    stopped (SIGSTOP, a debugger), a zombie, or gone (psutil's process
+    status, from /proc); None when it can run, or no process holds the lock."""
     from preload.daemon.lock import lock_holder
 
-    holder = lock_holder(socket_dir, rank)
-    if holder is None or not holder.isdigit():
-        return False
     try:
-        return psutil.Process(int(holder)).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP,
-                                                        psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+        holder = lock_holder(socket_dir, rank)
+    except OSError:
+        return None
+    if holder is None or not holder.isdigit():
+        return None
+    try:
+        status = psutil.Process(int(holder)).status()
     except psutil.NoSuchProcess:
-        return True
+        return f"process {holder}, which holds its lock, is gone"
     except psutil.Error:
-        return False
+        return None
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        return f"process {holder}, which holds its lock, is {status}"
+    return None
+
+
+def _down_lines(sockets: Sequence[str], replies: Sequence[RankReply]) -> str:
+    """A 503's body: a line per rank that is down, naming it and why.
+
+    >>> _down_lines(["/run/pg/ab12/rank0.sock"], [RankReply(None, down="no answer within 0.6 s")])
+    'down: rank 0 (/run/pg/ab12/rank0.sock): no answer within 0.6 s\\n'
+    """
+    return "".join(f"down: rank {_rank_of(Path(s))} ({s}): {r.down or r.refused or 'no answer'}\n"
+                   for s, r in zip(sockets, replies, strict=True) if not r.up)
 
 
 def rank_stats(socket_path: str | Path) -> dict[str, Any] | None:
@@ -206,7 +287,7 @@ class RankCollector(Collector):
         self.sockets = list(sockets)
 
     def collect(self) -> Iterator[Metric]:
-        yield from metric_families([ask_rank(s) for s in self.sockets], self.sockets)
+        yield from metric_families(ask_ranks(self.sockets), self.sockets)
 
     def describe(self) -> Iterator[Metric]:
         # The families' names without asking a rank: the registry learns them at
@@ -261,59 +342,96 @@ class _Deadlines:
                 self._cv.wait(min(self._due.values(), default=now + 3600) - now)
 
 
+@dataclass
+class _Slot:
+    """A connection's slot: waiting for a request head since ``since``, or
+    answering (``waiting`` False) since ``since``: the start of the oldest
+    answer its client has not taken (a pipelined request read while the
+    answer before it is still unread keeps the earlier start)."""
+
+    waiting: bool
+    since: float
+    owed_since: float | None = None  # while waiting: when its last answer began
+
+
+def _untaken(conn: socket.socket) -> int:
+    """Bytes written to ``conn`` that its client has not taken (acknowledged)
+    yet: the kernel's send queue (SIOCOUTQ); 0 where it cannot say."""
+    try:
+        out: int = struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):
+        return 0
+    return out
+
+
 class _Connections:
-    """The server's connections, each waiting for a request head (since when)
-    or being answered (None): at most ``limit``, and when full the one that has
-    waited longest for its head gives its slot to the newcomer, so idle or
-    trickling sockets cannot lock a probe out for ``HEAD_DEADLINE_S``."""
+    """The server's connections (:class:`_Slot`), at most ``limit``. When
+    full, a newcomer takes the slot of the one that has waited longest for its
+    head, so idle or trickling sockets cannot lock a probe out for
+    ``HEAD_DEADLINE_S``; failing that, of the one whose client has left an
+    answer untaken longest, past ``ANSWER_S`` (a client that sends and never
+    reads: its handler is stuck writing for ``IO_TIMEOUT_S``). An answer in
+    time, or one its client has taken, keeps its slot."""
 
     def __init__(self, limit: int) -> None:
         self._lock = threading.Lock()
         self._limit = limit
-        self._waiting_since: dict[socket.socket, float | None] = {}
+        self._slots: dict[socket.socket, _Slot] = {}
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._waiting_since)
+            return len(self._slots)
 
     def admit(self, conn: socket.socket) -> bool:
-        """Take a slot for ``conn`` (evicting if need be); False when every slot is mid-answer."""
+        """Take a slot for ``conn`` (evicting if need be); False when every slot is an answer in time."""
         with self._lock:
-            if len(self._waiting_since) >= self._limit:
+            if len(self._slots) >= self._limit:
                 oldest = self._evictable()
                 if oldest is None:
                     return False
-                del self._waiting_since[oldest]
+                del self._slots[oldest]
                 try:
-                    # Read side only: its blocked read returns what arrived, then EOF; a head
+                    # The read side: its blocked read returns what arrived, then EOF, and a head
                     # that was complete by then is still answered (see _Handler.parse_request).
-                    oldest.shutdown(socket.SHUT_RD)
+                    # The write side too where its client leaves what we wrote untaken: its
+                    # handler's blocked write fails (EPIPE) now, not after IO_TIMEOUT_S.
+                    oldest.shutdown(socket.SHUT_RDWR if _untaken(oldest) > 0 else socket.SHUT_RD)
                 except OSError:
                     pass
-            self._waiting_since[conn] = time.monotonic()
+            self._slots[conn] = _Slot(waiting=True, since=time.monotonic())
             return True
 
     def _evictable(self) -> socket.socket | None:
-        waiting = [(t, i, c) for i, (c, t) in enumerate(self._waiting_since.items()) if t is not None]
-        return min(waiting, key=lambda w: (w[0], w[1]))[2] if waiting else None
+        waiting = [(slot.since, i, c) for i, (c, slot) in enumerate(self._slots.items()) if slot.waiting]
+        if waiting:
+            return min(waiting)[2]
+        late = time.monotonic() - ANSWER_S
+        stuck = [(slot.since, i, c) for i, (c, slot) in enumerate(self._slots.items())
+                 if slot.since <= late and _untaken(c) > 0]
+        return min(stuck)[2] if stuck else None
 
     def waiting(self, conn: socket.socket) -> None:
         """``conn`` waits for its next request head (a keep-alive connection between requests)."""
         with self._lock:
             # A fresh connection keeps the stamp admit gave it: its handler thread may start
             # after a newer one's (under load), and eviction must follow arrival, not scheduling.
-            if conn in self._waiting_since and self._waiting_since[conn] is None:
-                self._waiting_since[conn] = time.monotonic()
+            slot = self._slots.get(conn)
+            if slot is not None and not slot.waiting:
+                slot.waiting, slot.owed_since, slot.since = True, slot.since, time.monotonic()
 
     def answering(self, conn: socket.socket) -> None:
-        """``conn``'s head is read: it keeps its slot until answered (an evicted one has none)."""
+        """``conn``'s head is read: it keeps its slot while its answer is in time
+        (an evicted one has none)."""
         with self._lock:
-            if conn in self._waiting_since:
-                self._waiting_since[conn] = None
+            slot = self._slots.get(conn)
+            if slot is not None:
+                owed = slot.owed_since if slot.owed_since is not None and _untaken(conn) > 0 else None
+                slot.waiting, slot.owed_since = False, None
+                slot.since = owed if owed is not None else time.monotonic()
 
     def release(self, conn: socket.socket) -> None:
         with self._lock:
-            self._waiting_since.pop(conn, None)
+            self._slots.pop(conn, None)
 
 
 class _HeadLines:
@@ -349,7 +467,7 @@ class _Server(ThreadingHTTPServer):
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.connections.admit(request):  # every slot mid-answer: refuse this one, serve the others
+        if not self.connections.admit(request):  # every slot an answer in time: refuse this one, serve the others
             self.shutdown_request(request)
             return
         try:
@@ -421,11 +539,10 @@ class _Handler(BaseHTTPRequestHandler):
             # A busy rank is alive (its backlog is full of engines connecting): a
             # liveness probe that restarted it would drop weights engines are mapping.
             socks = self.server.sockets
-            with ThreadPoolExecutor(max_workers=max(1, len(socks))) as pool:
-                replies = list(pool.map(lambda s: ask_rank(s, PROBE_CONNECT_S), socks))
+            replies = ask_ranks(socks)
             ok = all(r.up for r in replies)
-            busy = [s for s, r in zip(self.server.sockets, replies, strict=True) if r.busy]
-            body = "unavailable\n" if not ok else f"ok: busy: {', '.join(busy)}\n" if busy else "ok\n"
+            busy = [s for s, r in zip(socks, replies, strict=True) if r.busy]
+            body = _down_lines(socks, replies) if not ok else f"ok: busy: {', '.join(busy)}\n" if busy else "ok\n"
             self._send(200 if ok else 503, body.encode(),
                        [("Content-Type", "text/plain; charset=utf-8"), ("Cache-Control", "no-store")])
         elif path == "/metrics":

@@ -95,7 +95,8 @@ def test_ask_rank_tells_busy_from_down(sdir: Path) -> None:
     assert reply.stats is None and reply.busy and "listen backlog is full" in reply.busy, reply
     assert reply.up
     dead = health.ask_rank(full.path)  # control: the listener is closed, the file stays
-    assert dead == health.RankReply(None) and not dead.up, dead
+    assert dead.stats is dead.busy is dead.refused is None and not dead.up, dead
+    assert dead.down and dead.down.startswith(f"no daemon answers at {full.path}"), dead
 
 
 def test_the_health_server_reports_a_busy_rank_up(sdir: Path) -> None:
@@ -109,8 +110,9 @@ def test_the_health_server_reports_a_busy_rank_up(sdir: Path) -> None:
 
 
 def test_control_the_health_server_reports_a_dead_rank_down(sdir: Path) -> None:
-    code, body, gauges = _probe(_dead(sdir))
-    assert (code, body) == (503, "unavailable\n")
+    dead = _dead(sdir)
+    code, body, gauges = _probe(dead)
+    assert code == 503 and body.startswith(f"down: rank 0 ({dead}): no daemon answers at {dead}"), (code, body)
     assert gauges == {health.PREFIX + "rank_up": 0.0, health.PREFIX + "rank_busy": 0.0}, gauges
 
 
@@ -209,7 +211,9 @@ def test_a_stopped_rank_with_a_full_backlog_is_down_not_busy(tmp_path: Path) -> 
         reply = health.ask_rank(sock, 0.5)
         assert not reply.up and reply.busy is None, reply
         code, body, gauges = _probe(sock)
-        assert (code, body) == (503, "unavailable\n") and gauges[health.PREFIX + "rank_up"] == 0.0
+        assert code == 503 and gauges[health.PREFIX + "rank_up"] == 0.0, (code, gauges)
+        assert body == f"down: rank 0 ({sock}): process {daemon.rank_pid}, which holds its lock, is stopped " \
+                       "(its listen backlog is full)\n", body
     finally:
         os.kill(daemon.rank_pid, signal.SIGCONT)
         for s in queued:

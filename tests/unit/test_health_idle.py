@@ -7,7 +7,7 @@ probe (timeout 1 s) that comes next must still get its 200 at once, not after
 that has waited longest for its head; a connection whose head is complete
 (its answer in progress) is never the one closed.
 
-The ranks are a stub of ``health.ask_rank`` (the HTTP side is what is
+The ranks are a stub of ``health.ask_ranks`` (the HTTP side is what is
 under test; test_health_http.py holds the battery against a live daemon).
 Controls: the same probe against the server refusing the newcomer instead
 (today's behaviour before this change) fails; the sockets closed are the idle
@@ -35,7 +35,9 @@ PROBE_TIMEOUT_S = 1.0  # a Kubernetes probe's default timeoutSeconds
 
 @dataclass
 class Ranks:
-    """``ask_rank`` for the server's one (fake) rank; ``hold`` keeps an answer in progress."""
+    """``ask_ranks`` for the server's one (fake) rank; ``hold`` keeps an answer
+    in progress (longer than a real rank's bound, RANK_ANSWER_S: what is under
+    test is that an answer in progress keeps its slot)."""
 
     hold: threading.Event = field(default_factory=threading.Event)
     entered: threading.Event = field(default_factory=threading.Event)
@@ -43,10 +45,15 @@ class Ranks:
     def __post_init__(self) -> None:
         self.hold.set()
 
-    def __call__(self, socket_path: object, connect_timeout_s: float = 2.0) -> health.RankReply:
+    def __call__(self, sockets: list[str], within_s: float = health.RANK_ANSWER_S) -> list[health.RankReply]:
         self.entered.set()
         assert self.hold.wait(30)
-        return health.RankReply({"rank": 0, "digest": "ab" * 32})
+        return [health.RankReply({"rank": 0, "digest": "ab" * 32, **STATS}) for _ in sockets]
+
+
+# What a rank's ``stats`` says beyond its rank and digest (what /metrics reads).
+STATS = {"hits": 3, "misses": {"key_mismatch": 1}, "attach_failures": {}, "attached": 1,
+         "resident_bytes": 1 << 20, "load_seconds": 0.5}
 
 
 @dataclass
@@ -94,7 +101,7 @@ def _wait_until(done: Callable[[], bool]) -> None:
 
 def _oldest_of_all(self: health._Connections) -> socket.socket | None:
     """A naive eviction: the oldest connection, whether or not its head is complete."""
-    return next(iter(self._waiting_since), None)
+    return next(iter(self._slots), None)
 
 
 # The server as built, and the two bugs its tests must catch.
@@ -109,7 +116,7 @@ def _serve(kind: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
     if EVICTION[kind] is not None:
         monkeypatch.setattr(health._Connections, "_evictable", EVICTION[kind])
     ranks = Ranks()
-    monkeypatch.setattr(health, "ask_rank", ranks)
+    monkeypatch.setattr(health, "ask_ranks", ranks)
     server = health.HealthServer("127.0.0.1", 0, ["/nonexistent/ab12/rank0.sock"])
     server.start()
     try:
@@ -298,8 +305,8 @@ def test_an_evicted_fragment_gets_no_answer(served_as_built: Served, fragment: b
 def _restamp_always(self: health._Connections, conn: socket.socket) -> None:
     """Before this change: every handler start re-stamped its connection, fresh or not."""
     with self._lock:
-        if conn in self._waiting_since:
-            self._waiting_since[conn] = time.monotonic()
+        if conn in self._slots:
+            self._slots[conn] = health._Slot(waiting=True, since=time.monotonic())
 
 
 @pytest.mark.parametrize("waiting", [None, _restamp_always], ids=["as_built", "restamp_control"])
@@ -325,16 +332,141 @@ def test_eviction_follows_arrival_not_the_order_handler_threads_start(
             time.sleep(0.002)
         assert conns.admit(newcomer)
         if waiting is not None:
-            assert first in conns._waiting_since and third not in conns._waiting_since
+            assert first in conns._slots and third not in conns._slots
             return
-        assert first not in conns._waiting_since, "the oldest arrival kept its slot"
-        assert all(c in conns._waiting_since for c in (second, third, newcomer))
+        assert first not in conns._slots, "the oldest arrival kept its slot"
+        assert all(c in conns._slots for c in (second, third, newcomer))
         conns.answering(second)  # second is answered, then waits for its next head: newest waiter
         conns.waiting(second)
         conns.release(newcomer)
         assert conns.admit(newcomer)
         assert conns.admit(first)  # full again: third has waited longest now
-        assert third not in conns._waiting_since and second in conns._waiting_since
+        assert third not in conns._slots and second in conns._slots
+    finally:
+        for p in pairs:
+            for s in p:
+                s.close()
+
+
+# ------------------------------------------------- clients that never read their answers
+
+def _evictable_before_this_change(self: health._Connections) -> socket.socket | None:
+    """Before this change: only a connection waiting for its head gave up its slot."""
+    waiting = [(slot.since, i, c) for i, (c, slot) in enumerate(self._slots.items()) if slot.waiting]
+    return min(waiting)[2] if waiting else None
+
+
+def _small_send_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's connections get small send buffers. Loopback gives each
+    ~4 MB, room for ~1,400 answers before a write blocks; the reviewer's 70
+    sockets blocked under the kernel's memory pressure. 4 KiB blocks a write
+    after a few answers, with no 256 MB of kernel memory in a unit test."""
+    accept = health._Server.get_request
+
+    def get_request(self: health._Server) -> tuple[socket.socket, object]:
+        conn, addr = accept(self)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        return conn, addr
+
+    monkeypatch.setattr(health._Server, "get_request", get_request)
+
+
+@pytest.fixture(params=["evicting", "waiting_only"])
+def served_flooded(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
+    """The server with small send buffers, and as the control the eviction before this change."""
+    if request.param == "waiting_only":
+        monkeypatch.setattr(health._Connections, "_evictable", _evictable_before_this_change)
+    _small_send_buffers(monkeypatch)
+    yield from _serve("evicting", monkeypatch)
+
+
+def _all_stuck(server: health.HealthServer) -> bool:
+    """Every slot taken by a connection answering for longer than ANSWER_S."""
+    conns = server._httpd.connections
+    with conns._lock:
+        now = time.monotonic()
+        return len(conns._slots) == health.MAX_CONNECTIONS and all(
+            not s.waiting and now - s.since > health.ANSWER_S for s in conns._slots.values())
+
+
+def test_clients_that_never_read_do_not_keep_a_probe_out(served_flooded: Served,
+                                                         request: pytest.FixtureRequest) -> None:
+    """The reviewer's script: 70 clients send 200 pipelined GET /metrics each
+    and never read; every slot is then held by a handler stuck writing (for
+    IO_TIMEOUT_S, 10 s). A probe that comes next gets its 200 within its 1 s
+    timeout: the connection whose answer has gone untaken longest gives up
+    its slot, and only that one. Control: the eviction before this change
+    (waiting connections only) closes the probe unanswered."""
+    served = served_flooded
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(health.MAX_CONNECTIONS + 6):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            s.settimeout(5)
+            s.connect(served.address)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 200)
+            flood.append(s)
+        deadline = time.monotonic() + 8  # well inside IO_TIMEOUT_S, when the stuck writes give up
+        while not _all_stuck(served.server) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _all_stuck(served.server), "precondition: every slot held by an answer its client does not take"
+        if request.node.callspec.params["served_flooded"] == "waiting_only":
+            with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
+                served.probe()
+            return
+        t0 = time.monotonic()
+        assert served.probe() == 200
+        assert time.monotonic() - t0 < PROBE_TIMEOUT_S
+        # One stuck connection gave up its slot; the probe's is free again once answered.
+        _wait_until(lambda: served.server.connections() < health.MAX_CONNECTIONS)
+        assert served.server.connections() == health.MAX_CONNECTIONS - 1
+    finally:
+        _closed_all(flood)
+
+
+def _restamp_answering(self: health._Connections, conn: socket.socket) -> None:
+    """A naive answering(): every head read starts the clock again, pipelined or not."""
+    with self._lock:
+        if conn in self._slots:
+            self._slots[conn] = health._Slot(waiting=False, since=time.monotonic())
+
+
+@pytest.mark.parametrize("answering", [None, _restamp_answering], ids=["as_built", "restamp_control"])
+def test_only_an_answer_its_client_leaves_untaken_past_the_bound_gives_up_its_slot(
+        answering: Callable[[health._Connections, socket.socket], None] | None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every slot answering: one whose client has not taken what was written
+    (bytes in its send queue) past ANSWER_S is evicted; one in time, or one
+    past it with nothing untaken (its answer still being made: a slow rank,
+    a starved thread), never is. A pipelined request read while the answer
+    before it is still untaken keeps the earlier start. Control: restamping
+    at each head read lets a pipelining client that never reads stay in time."""
+    if answering is not None:
+        monkeypatch.setattr(health._Connections, "answering", answering)
+    conns = health._Connections(2)
+    pairs = [socket.socketpair() for _ in range(4)]
+    making, unread, newcomer, later = (p[0] for p in pairs)
+    try:
+        for c in (making, unread):
+            assert conns.admit(c)
+            conns.answering(c)
+        unread.sendall(b"x" * 1000)  # its peer never reads
+        assert not conns.admit(newcomer), "an answer in time was evicted"
+        t0 = conns._slots[unread].since
+        conns.waiting(unread)  # answered; its client pipelined the next request
+        conns.answering(unread)
+        if answering is not None:
+            assert conns._slots[unread].since > t0, "control: the clock started again"
+            return
+        assert conns._slots[unread].since == t0, "a pipelined request restarted an untaken answer's clock"
+        monkeypatch.setattr(health, "ANSWER_S", 0.0)  # both past the bound now
+        assert conns.admit(newcomer)
+        assert unread not in conns._slots and making in conns._slots
+        pairs[1][1].settimeout(5)
+        assert pairs[1][1].recv(4096) == b"x" * 1000 and pairs[1][1].recv(4096) == b"", "not shut down"
+        conns.answering(newcomer)  # its answer being made: nothing written yet
+        assert not conns.admit(later), "an answer past the bound with nothing untaken was evicted"
     finally:
         for p in pairs:
             for s in p:
