@@ -11,6 +11,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,18 @@ def repo_pythonpath() -> str:
 def short_dir(prefix: str = "pg-d-") -> Path:
     """AF_UNIX paths are capped at 107 bytes; pytest's tmp_path can be longer."""
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def socket_dir_in_own_root(prefix: str, name: str) -> Iterator[Path]:
+    """A socket dir ``name`` (mode 0700) under a short socket root of its own
+    (``status`` scans the root), removed whole afterwards: a fixture's body."""
+    root = short_dir(prefix)
+    d = root / name
+    d.mkdir(mode=0o700)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(root)
 
 
 def env_for(cache: Path) -> dict[str, str]:

@@ -205,7 +205,8 @@ class RayExecutor:
 
     The address's shape is checked on construction (:func:`ray_endpoint`);
     Ray is connected on first use (after the gate's own checks of its
-    input), once a TCP probe found the head (:func:`check_reachable`). Jobs are admitted against the alive nodes' resources as this
+    input), once a TCP probe found the head (:func:`check_reachable`).
+    Jobs are admitted against the alive nodes' resources as this
     executor has handed them out, so a job's deadline counts from the moment
     a node has room for it, never from a queue behind other engines; a
     job's placements are tried least busy first (so a self-test's cached

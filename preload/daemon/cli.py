@@ -38,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Stop the daemons serving TARGET under the socket root (SIGTERM to their launcher, which "
         "stops every rank) and drop TARGET's arenas from the fd store (keeper or systemd), so no restart "
         "re-adopts them. TARGET is a checkpoint directory (or the checkpoint path status shows for a daemon "
-        "whose folder was moved since) or a digest (64 hex, or 16+ leading hex as status prints it); --all stops and drops everything under the root. Nothing found is not an error.")
+        "whose folder was moved since) or a digest (64 hex, or 16+ leading hex as status prints it); --all "
+        "stops and drops everything under the root. Nothing found is not an error.")
     t.add_argument("target", nargs="?", default=None, metavar="DIGEST|CKPT")
     t.add_argument("--all", action="store_true", help="every daemon under the socket root and every stored arena")
     t.add_argument("--socket-root", default=None, type=socket_root_arg,

@@ -17,8 +17,9 @@ them: eviction is explicit (issue 26).
 A target is a checkpoint directory (its daemons, the stored arenas whose
 record names its real path, and the digest its promotion manifest names);
 a path no longer there that a daemon or stored arena recorded (its folder
-renamed since: what ``status`` shows); or a digest: 64 hex characters, or a prefix of at least 16 (the socket
-directory's name, as ``status`` prints it) that must name one digest.
+renamed since: what ``status`` shows); or a digest: 64 hex characters, or
+a prefix of at least 16 (the socket directory's name, as ``status`` prints
+it) that must name one digest.
 """
 
 from __future__ import annotations

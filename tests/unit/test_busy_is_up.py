@@ -31,7 +31,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon_support import Daemon, FullListener, bind_private, fill_backlog, short_dir
+from daemon_support import (
+    Daemon,
+    FullListener,
+    bind_private,
+    fill_backlog,
+    short_dir,
+    socket_dir_in_own_root,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from pgbase.errors import DaemonBusyError
@@ -43,13 +50,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.xdist_group(name="busy_is_up")]
 @pytest.fixture
 def sdir() -> Iterator[Path]:
     """A socket dir ``<digest[:16]>`` under a socket root of its own (``status`` scans the root)."""
-    root = short_dir("pg-busy-")
-    d = root / ("ab" * 8)
-    d.mkdir(mode=0o700)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(root)
+    yield from socket_dir_in_own_root("pg-busy-", "ab" * 8)
 
 
 def _dead(sdir: Path) -> Path:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from daemon_support import Daemon, FullListener, bind_private, short_dir
+from daemon_support import Daemon, FullListener, bind_private, short_dir, socket_dir_in_own_root
 from prometheus_client.parser import text_string_to_metric_families
 
 from preload import protocol
@@ -134,13 +134,7 @@ HUNG = [r.behaviour for r in ROWS if r.behaviour in ("stopped", "hung_mid_hello"
 
 @pytest.fixture
 def sdir() -> Iterator[Path]:
-    root = short_dir("pg-bound-")
-    d = root / ("cd" * 8)
-    d.mkdir(mode=0o700)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(root)
+    yield from socket_dir_in_own_root("pg-bound-", "cd" * 8)
 
 
 @dataclass
