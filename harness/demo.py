@@ -65,6 +65,15 @@ def build_model(model: str, out: Path) -> Path:
 DAEMON_TARGETS = ("verified_cache", "header_only")
 
 
+def on_gpu() -> bool:
+    """Engines here run on a GPU (vLLM's platform is CUDA): they are not bound
+    to CPU cores, so one lane runs ``jobs`` of them at once (their starts take
+    turns: harness.engine_worker's GPU start lock)."""
+    from preload.engine_platform import host_device_type
+
+    return host_device_type() == "cuda"
+
+
 def plan_lanes(targets: tuple[str, ...], jobs: int,
                run_tp: bool) -> list[tuple[tuple[str, ...], int, tuple[int, ...] | None]]:
     """``(targets, jobs, cores)`` per lane, in order.
@@ -74,7 +83,8 @@ def plan_lanes(targets: tuple[str, ...], jobs: int,
     one engine at a time each: a lane preparing candidates (single-threaded
     copies, hashes, dumps) leaves its core to nothing otherwise. Everything
     else (one core, one kind, ``run_tp``: a TP=2 engine takes both cores)
-    is one lane with ``jobs`` engines at a time.
+    is one lane with ``jobs`` engines at a time, and so is a GPU host
+    (:func:`on_gpu`).
 
     >>> plan_lanes(("verified_cache", "npcache"), 1, False)
     [(('verified_cache', 'npcache'), 1, None)]
@@ -82,7 +92,7 @@ def plan_lanes(targets: tuple[str, ...], jobs: int,
     cpus = sorted(os.sched_getaffinity(0))
     first = tuple(t for t in targets if t in DAEMON_TARGETS)
     second = tuple(t for t in targets if t not in DAEMON_TARGETS)
-    if jobs < 2 or run_tp or len(cpus) < 2 or not first or not second:
+    if jobs < 2 or run_tp or len(cpus) < 2 or not first or not second or on_gpu():
         return [(targets, jobs, None)]
     return [(first, 1, (cpus[0],)), (second, 1, (cpus[1],))]
 

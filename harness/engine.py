@@ -41,6 +41,19 @@ DEFAULT_TIMEOUT_S = 300.0
 LOG_TAIL_CHARS = 4000
 _WEIGHTS_LOG = re.compile(r"Loading weights took ([0-9.]+) seconds")
 _MODEL_LOG = re.compile(r"Model loading took [0-9.]+ \w+ (?:memory )?and ([0-9.]+) seconds")
+# vLLM 0.33's start-up lines (v1/worker/gpu_model_runner.py, gpu_worker.py,
+# v1/core/kv_cache_utils.py, v1/engine/core.py), as figures.
+_FIGURES = (
+    ("model_loading_gib", "model_loading_s",
+     re.compile(r"Model loading took ([0-9.]+) GiB memory and ([0-9.]+) seconds")),
+    ("kv_cache_gib", None, re.compile(r"Available KV cache memory: (-?[0-9.]+) GiB")),
+    ("kv_cache_tokens", None, re.compile(r"KV cache size: ([0-9,]+) tokens")),
+    ("init_engine_s", "compile_s",
+     re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s(?: \(compilation: ([0-9.]+) s)?")),
+)
+# vLLM's check that no other process released GPU memory while it profiled
+# (gpu_worker.py determine_available_memory): engines sharing a GPU trip it.
+PROFILE_RACE = "Error in memory profiling"
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,10 @@ class EngineSpec:
     # Serve through vLLM's OpenAI server instead of the offline LLM (for
     # settings the offline engine cannot run, e.g. data parallelism on CPU).
     server: bool = False
+    # vLLM's own knobs that change memory and start-up, not answers: the
+    # share of the GPU the engine may budget, and eager (no compile, no CUDA graphs).
+    gpu_memory_utilization: float = 0.1
+    enforce_eager: bool = True
 
     def settings(self) -> dict[str, Any]:
         """The settings that decide an `auto` engine's output (not where the
@@ -111,6 +128,8 @@ class EngineResult:
     timed_out: bool = False
     vllm_version: str | None = None
     resolved_dtype: str | None = None
+    # What vLLM's own log said of the start (:func:`vllm_start_figures`).
+    vllm_figures: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -282,6 +301,25 @@ def run_engine(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     worker: str = "harness.engine_worker",
 ) -> EngineResult:
+    """:func:`run_engine_once`, again (twice at most) where vLLM refused to
+    start because another process on the GPU released memory while it
+    profiled (``PROFILE_RACE``): a start-up race of engines sharing a GPU,
+    not a verdict on the weights. The retry is said in ``timings["retries"]``."""
+    result = run_engine_once(spec, workdir, timeout_s, worker)
+    retries = 0
+    while not result.ok and retries < 2 and PROFILE_RACE in (result.log_tail or ""):
+        retries += 1
+        result = run_engine_once(spec, workdir, timeout_s, worker)
+        result.timings["retries"] = retries
+    return result
+
+
+def run_engine_once(
+    spec: EngineSpec,
+    workdir: str | os.PathLike[str],
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    worker: str = "harness.engine_worker",
+) -> EngineResult:
     """Run ``spec`` in a fresh worker process; never raises for engine failures.
 
     ``worker`` is the module run as ``python -m WORKER SPEC OUT``; a bench
@@ -344,6 +382,7 @@ def run_engine(
         result.ok = False
         result.error = "; ".join(e for e in (result.error, f"load events not read: {exc}") if e)
     result.timings["wall"] = round(wall, 3)
+    result.vllm_figures = vllm_start_figures(log_text)
     loads = [float(e["seconds"]) for e in result.events if isinstance(e.get("seconds"), (int, float))]
     if loads:  # the loader's own measure of its load, slowest rank
         result.timings["weights_load"] = round(max(loads), 4)
@@ -354,6 +393,22 @@ def run_engine(
     if not result.ok:
         result.log_tail = _tail(log_path)
     return result
+
+
+def vllm_start_figures(log: str) -> dict[str, float]:
+    """What vLLM logged of an engine's start: ``model_loading_gib``,
+    ``model_loading_s``, ``kv_cache_gib``, ``kv_cache_tokens``,
+    ``init_engine_s`` (profile, KV cache, warm-up) and ``compile_s``; the
+    first of each line (rank 0's), absent where vLLM did not say it."""
+    out: dict[str, float] = {}
+    for first, second, rx in _FIGURES:
+        m = rx.search(log)
+        if m is None:
+            continue
+        out[first] = float(m.group(1).replace(",", ""))
+        if second is not None and m.lastindex and m.lastindex >= 2 and m.group(2) is not None:
+            out[second] = float(m.group(2))
+    return out
 
 
 def _collect(out_path: Path, rc: int | None, timed_out: bool, timeout_s: float, log: str) -> EngineResult:

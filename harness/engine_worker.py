@@ -14,12 +14,15 @@ one-token greedy request answered) and ``done``.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from canaries.worker import worker_main
@@ -50,6 +53,49 @@ def _end_with_the_harness() -> None:
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
 
 
+# Engines that share a GPU start one at a time: vLLM asserts that no other
+# process released GPU memory while it profiled (gpu_worker.py
+# determine_available_memory), so an engine's start (the LLM constructor) and
+# its exit (which frees its memory) hold one lock per GPU host. Imports and
+# decoding run side by side. CPU engines take no lock.
+GPU_LOCK_ENV = "PRELOAD_GATE_GPU_START_LOCK"
+_held_lock: list[int] = []
+
+
+def _gpu_lock_path() -> str | None:
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cuda":
+        return None
+    return os.environ.get(GPU_LOCK_ENV) or f"/tmp/preload-gate-gpu-start-{os.getuid()}.lock"
+
+
+@contextlib.contextmanager
+def gpu_start_lock() -> Iterator[None]:
+    """Hold the host's GPU start lock (flock) for the block; none on CPU."""
+    path = _gpu_lock_path()
+    if path is None:
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def hold_gpu_lock_until_exit() -> None:
+    """Take the GPU start lock and keep it until this process exits, so its
+    memory is freed while no other engine profiles."""
+    path = _gpu_lock_path()
+    if path is None or _held_lock:
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _held_lock.append(fd)
+
+
 def _top_logprobs(step: Any) -> dict[str, float]:
     """``{token_id: logprob}`` for one position; JSON keys are strings."""
     if not step:
@@ -70,7 +116,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "dtype": spec["dtype"],
         "tensor_parallel_size": spec["tensor_parallel_size"],
         "max_model_len": spec["max_model_len"],
-        "enforce_eager": True,
+        "enforce_eager": bool(spec.get("enforce_eager", True)),
         "gpu_memory_utilization": spec.get("gpu_memory_utilization", 0.1),
         "seed": spec.get("seed", 0),
     }
@@ -88,7 +134,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     # harness.engine.engine_executor chose it (and set vLLM's multiprocessing switch to match).
     if os.environ.get(EXECUTOR_ENV) == "uni":
         kwargs["distributed_executor_backend"] = "uni"
-    llm = LLM(**kwargs)
+    with gpu_start_lock():
+        llm = LLM(**kwargs)
     marks["ready"] = time.monotonic() - T0
     params = SamplingParams(
         temperature=0.0, max_tokens=spec["max_tokens"], logprobs=spec["top_logprobs"], seed=0
@@ -104,6 +151,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         token_ids.append([int(t) for t in comp.token_ids])
         texts.append(comp.text)
         logprobs.append([_top_logprobs(step) for step in (comp.logprobs or [])])
+    hold_gpu_lock_until_exit()
     return {
         "ok": True,
         "token_ids": token_ids,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -78,3 +79,27 @@ def digest_arg(value: str) -> str:
         return parse_digest(value, "")
     except DigestFormatError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+SIZE_MAX = 1 << 40
+
+
+def size_arg(text: str) -> int:
+    """``2G``, ``512M``, ``64K``, ``1T`` (binary units, optional trailing
+    B/iB) or a byte count, 1 byte to 1 TiB; ArgumentTypeError otherwise.
+
+    >>> size_arg("2G")
+    2147483648
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 2G, 512M, 65536")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)]
+    digits = m.group(1)
+    # Exact for a byte count (a float loses bytes past 2**53); a fraction goes through float.
+    n = int(digits) * scale if "." not in digits else int(float(digits) * scale)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"size {text!r} is less than one byte")
+    if n > SIZE_MAX:
+        raise argparse.ArgumentTypeError(f"size {text!r} is more than 1T")
+    return n

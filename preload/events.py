@@ -52,6 +52,9 @@ class LoadEvent:
     # "header_only" (vLLM's header hash: the unsafe negative control). A
     # judge compares only content digests with the candidate's content.
     identity: str = "content"
+    # Where a hit's seconds went, in seconds per step (resolve, connect, state,
+    # map, build, verify, process); steps not reached are absent.
+    phases: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:

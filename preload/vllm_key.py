@@ -12,6 +12,7 @@ import json
 import os
 from typing import Any
 
+from preload.engine_platform import for_device
 from preload.identity.config import config_digest
 from preload.identity.key import WeightCacheKey
 from preload.transports.base import dtype_name
@@ -48,12 +49,13 @@ def _quant(hf_config: Any, model_config: Any) -> dict[str, Any] | None:
 
 def export_stage_for(device_type: str) -> str:
     """``loaded`` on CPU (processing packs weights into opaque kernel
-    handles there), ``processed`` elsewhere, as vLLM's own cache does."""
-    return "loaded" if device_type == "cpu" else "processed"
+    handles there), ``processed`` elsewhere, as vLLM's own cache does
+    (:func:`preload.engine_platform.for_device`, the daemon's rule too)."""
+    return for_device(device_type)[0]
 
 
 def transport_for(device_type: str) -> str:
-    return "shm" if device_type == "cpu" else "cuda"
+    return for_device(device_type)[1]
 
 
 def kernel_backend(vllm_config: Any = None) -> str:

@@ -52,6 +52,7 @@ ROW_MODULES: dict[str, str] = {
     "harness.bench.gpu": "",
     "harness.bench.gpu_daemon": "",
     "harness.bench.readopt": "",
+    "harness.bench.restart": "",
     "harness.bench.gate": "",
     "harness.bench.load": "",
     "harness.bench.preflight": "",

@@ -33,13 +33,13 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harness.bench.errors import BenchError
+from pgbase.cliargs import SIZE_MAX, size_arg
 
 
 @dataclass(frozen=True)
@@ -150,22 +150,10 @@ def subset(known: Sequence[str]) -> Kind:
 # The largest size a row or ``bench --size`` takes: 1 TiB, more memory and
 # scratch disk than any host these rows run on has, so a typo (``2000G``)
 # is refused here and not in the middle of a write.
-SIZE_MAX = 1 << 40
 
 
 def _size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 2G, 512M, 65536")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)]
-    digits = m.group(1)
-    # Exact for a byte count (a float loses bytes past 2**53); a fraction goes through float.
-    n = int(digits) * scale if "." not in digits else int(float(digits) * scale)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"size {text!r} is less than one byte")
-    if n > SIZE_MAX:
-        raise argparse.ArgumentTypeError(f"size {text!r} is more than 1T")
-    return n
+    return size_arg(text)
 
 
 # ``2G``, ``512M``, ``64K``, ``1T`` (binary units, optional trailing B/iB) or a byte count, 1 byte to 1 TiB.

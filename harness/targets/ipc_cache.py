@@ -77,6 +77,33 @@ def missing_requirements() -> list[str]:
     return missing
 
 
+PRELOAD_COMMAND: tuple[str, ...] = (sys.executable, "-m", "vllm.entrypoints.cli.main", "preload")
+
+
+def start_vllm_preload(base: Path, sockets: Path, log: Path, *, dtype: str = "bfloat16",
+                       tensor_parallel_size: int = 1, command: tuple[str, ...] = PRELOAD_COMMAND,
+                       ready_timeout_s: float = 600.0) -> subprocess.Popen[bytes]:
+    """vLLM's own ``vllm preload --model BASE`` (unmodified), its log in
+    ``log``, its sockets in ``sockets`` (made 0700), leading a process group of
+    its own; returns once it logs READY. PrepareError naming the log's tail if
+    it exits or times out first (the group is killed)."""
+    sockets.mkdir(parents=True, exist_ok=True, mode=0o700)
+    cmd = [*command, "--model", str(base), "--weight-cache-socket-dir", str(sockets),
+           "--dtype", dtype, "--tensor-parallel-size", str(tensor_parallel_size),
+           "--max-model-len", "256", "--gpu-memory-utilization", "0.1"]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=child_env(), start_new_session=True)
+    deadline = time.monotonic() + ready_timeout_s
+    while not READY.search(tail(log, 100_000)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_group(proc)
+            raise PrepareError(f"vllm preload did not report READY (exit {proc.returncode}); log {log}:\n"
+                               f"{tail(log)}")
+        time.sleep(0.5)
+    return proc
+
+
 class IpcCacheTarget(CacheTarget):
     name = "ipc_cache"
     summary = "vLLM's own preload daemon over CUDA IPC, keyed by file names + safetensors headers"
@@ -84,7 +111,7 @@ class IpcCacheTarget(CacheTarget):
     checkpoint_format = "safetensors"
     default_cases: tuple[str, ...] = ()  # `all`: the whole catalogue, settings shifts included
     # vLLM's CLI; a test points these at stand-ins for vLLM's public boundary.
-    preload_command: tuple[str, ...] = (sys.executable, "-m", "vllm.entrypoints.cli.main", "preload")
+    preload_command: tuple[str, ...] = PRELOAD_COMMAND
     node_local = True  # vLLM's daemon holds the weights in one node's GPUs
     ready_timeout_s = 600.0
 
@@ -95,23 +122,11 @@ class IpcCacheTarget(CacheTarget):
         return None
 
     def prepare(self, base: Path, settings: EngineSettings, ctx: PrepareContext) -> PreparedCache:
-        workdir = ctx.workdir
-        sockets = workdir / "sockets"
-        sockets.mkdir(parents=True, exist_ok=True, mode=0o700)
-        log = workdir / "vllm-preload.log"
-        cmd = [*self.preload_command, "--model", str(base), "--weight-cache-socket-dir", str(sockets),
-               "--dtype", settings.dtype, "--tensor-parallel-size", str(settings.tensor_parallel_size),
-               "--max-model-len", "256", "--gpu-memory-utilization", "0.1"]
-        with open(log, "wb") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=child_env(), start_new_session=True)
-        deadline = time.monotonic() + self.ready_timeout_s
-        while not READY.search(tail(log, 100_000)):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                kill_group(proc)
-                raise PrepareError(f"vllm preload did not report READY (exit {proc.returncode}); log {log}:\n"
-                                   f"{tail(log)}")
-            time.sleep(0.5)
+        sockets = ctx.workdir / "sockets"
+        log = ctx.workdir / "vllm-preload.log"
+        proc = start_vllm_preload(base, sockets, log, dtype=settings.dtype,
+                                  tensor_parallel_size=settings.tensor_parallel_size,
+                                  command=self.preload_command, ready_timeout_s=self.ready_timeout_s)
         return PreparedCache(settings, sockets, ctx.digest_of(base), handle=proc, info={"log": str(log)})
 
     def cached_spec(self, cache: PreparedCache, case: GateCase, candidate: Path,

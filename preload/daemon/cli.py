@@ -61,15 +61,11 @@ def _use_cache_dir(args: argparse.Namespace) -> None:
 def _options(args: argparse.Namespace) -> Any:
     from preload.daemon.launcher import PreloadOptions
     from preload.daemon.placement import Parallelism
-    from preload.vllm_key import export_stage_for
+    from preload.engine_platform import resolve
 
-    # The stage a vLLM engine on this transport asks for (the loader's rule, one function).
-    stage = args.stage or export_stage_for("cpu" if args.transport == "shm" else "cuda")
-    if args.transport == "shm" and stage == "processed":
-        raise PreloadGateError(
-            "--stage processed with --transport shm serves no engine: vLLM's CPU engines attach the loaded "
-            "stage (their weight processing moves Linear weights into oneDNN handles that cannot be shared); "
-            "use --stage loaded (the default) or raw")
+    # What an engine on this host attaches (vLLM's platform; the loader's rule, one function):
+    # explicit choices no consumer here can use are refused before anything is read.
+    stage, transport = resolve(args.stage, args.transport)
     engine = {"dtype": args.dtype, "max_model_len": args.max_model_len, "quantization": args.quantization,
               "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel,
               "model_impl": args.model_impl}
@@ -80,7 +76,7 @@ def _options(args: argparse.Namespace) -> Any:
             dp_size=args.data_parallel_size, dp_size_local=args.data_parallel_size_local,
             dp_start_rank=args.data_parallel_start_rank, nnodes=args.nnodes, node_rank=args.node_rank,
         ),
-        stage=stage, transport=args.transport, identity=args.identity, socket_root=args.socket_root,
+        stage=stage, transport=transport, identity=args.identity, socket_root=args.socket_root,
         expect_digest=args.expect_digest, unsafe_identity=args.unsafe_identity, engine=engine,
         health_port=args.health_port, health_host=args.health_host, master_port=args.master_port,
         exit_with_parent=args.exit_with_parent, fd_store=not args.no_fd_store, take_over=args.take_over,

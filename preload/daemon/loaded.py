@@ -185,6 +185,7 @@ def fill_model(cfg: RankConfig, transport: Transport, expected: str | None, mani
         loader.counter_before_loading_weights = time.perf_counter()
         # vLLM's imports and config are behind us: what grows from here is weights.
         baseline_rss = rss_bytes()
+        free_before = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 0
         with set_default_torch_dtype(model_config.dtype):
             with device:
                 model = loader.create_model(vllm_config=vllm_config, model_config=model_config)
@@ -207,13 +208,37 @@ def fill_model(cfg: RankConfig, transport: Transport, expected: str | None, mani
         raise
     del model
     gc.collect()
+    held = returned = 0
+    if device.type == "cuda":
+        returned = _return_cached_blocks(layout.total_bytes)
+        held = free_before - torch.cuda.mem_get_info()[0]
+        log.info("processed stage: this rank holds %d device bytes for %d bytes of weights (%.3fx)",
+                 held, layout.total_bytes, held / max(1, layout.total_bytes))
     arena.seal()
     return Filled(
         arena=arena, layout=layout, key=dataclasses.replace(key, content_digest=digest), digest=digest,
         stage=cfg.stage, aliases=aliases, shard_digests=digests, checksums=checksums,
         load_seconds=time.perf_counter() - start, bytes_read=weights.bytes_read,
-        baseline_rss_bytes=baseline_rss,
+        baseline_rss_bytes=baseline_rss, device_bytes_held=held, device_cache_returned=returned,
     )
+
+
+def _return_cached_blocks(arena_bytes: int) -> int:
+    """Give the processed model's freed tensors back to the driver.
+
+    ``_release`` frees the model's own tensors once they are copied into the
+    arena, but torch's caching allocator keeps their blocks reserved for
+    reuse: the daemon then holds the weights twice on the GPU (measured on an
+    H200: 16,367 MiB for 7.68 GiB of weights, against 8,619 MiB for vLLM's
+    own daemon). The arena is a VMM allocation outside that cache, so
+    ``empty_cache`` leaves the daemon holding the arena, its CUDA context and
+    vLLM's communicator buffers. Returns the bytes given back."""
+    before = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    after = torch.cuda.memory_reserved()
+    log.info("processed stage: arena %d bytes; torch's cache %d -> %d bytes reserved (allocated %d)",
+             arena_bytes, before, after, torch.cuda.memory_allocated())
+    return before - after
 
 
 def _plain_copy_loader(param: torch.Tensor) -> bool:

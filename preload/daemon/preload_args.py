@@ -52,8 +52,11 @@ def add_preload(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "exits: for supervisors such as the gate; without it the daemon outlives its starter")
     p.add_argument("--stage", choices=EXPORT_STAGES, default=None,
                    help="raw: checkpoint tensors (no vLLM); loaded: vLLM params before processing "
-                   "(CPU default); processed: after processing (CUDA)")
-    p.add_argument("--transport", choices=("shm", "cuda"), default="shm")
+                   "(what CPU engines attach); processed: after processing (what CUDA engines attach). "
+                   "Default: what vLLM's platform on this host attaches (raw without vLLM)")
+    p.add_argument("--transport", choices=("shm", "cuda"), default=None,
+                   help="shm (memfd) or cuda (one VMM arena). Default: the one that goes with the stage on "
+                   "this host")
     p.add_argument("--identity", choices=IDENTITY_MODES, default="stat",
                    help="where the digest to prove comes from: the manifest (stat), --expect-digest "
                    "(pinned), or none: serve what the bytes hash to (full)")

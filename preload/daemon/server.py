@@ -501,6 +501,8 @@ class RankServer:
                 "tensors": len(self.filled.layout.entries),
                 **self.stats.to_json(), "released": self.released,
                 "load_seconds": self.filled.load_seconds, "uptime_s": time.time() - self._started,
+                "device_bytes_held": self.filled.device_bytes_held,
+                "device_cache_returned": self.filled.device_cache_returned,
                 # Where the arena came from (issue 26): disk, or adopted from the fd store
                 # (generation: how many daemons served it before), and a take-over's predecessor.
                 "origin": self.filled.origin, "generation": self.filled.generation,

@@ -51,6 +51,11 @@ class Filled:
     origin: str = "disk"
     generation: int = 0
     adopt_seconds: float = 0.0
+    # CUDA: device bytes the fill left this process holding (free memory
+    # before building the model minus free memory once sealed), and what
+    # torch's caching allocator gave back after the copy into the arena.
+    device_bytes_held: int = 0
+    device_cache_returned: int = 0
 
 
 @dataclass

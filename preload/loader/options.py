@@ -2,7 +2,8 @@
 
 Parsed and checked without vLLM, so a bad key or value is one named error
 before any engine work; unknown keys are an error. The UNSAFE negative
-controls (``unsafe_identity``, ``unsafe_silent_fallback``) are refused
+controls (``unsafe_identity``, ``unsafe_silent_fallback``,
+``unsafe_uncounted_memory``) are refused
 unless the test-only switch in :mod:`preload.trust` is set.
 """
 
@@ -42,6 +43,9 @@ class LoaderOptions:
     state_timeout_s: float = 300.0
     unsafe_identity: str | None = None
     unsafe_silent_fallback: bool = False
+    # UNSAFE control (tests only): count no daemon memory in vLLM's budget
+    # (get_external_weight_memory 0), as this loader did before it counted it.
+    unsafe_uncounted_memory: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> LoaderOptions:
@@ -52,7 +56,7 @@ class LoaderOptions:
             raise LoaderConfigError(
                 f"unknown {LOAD_FORMAT} extra config keys: {unknown} (known: {', '.join(sorted(names))})"
             )
-        for k in ("fallback", "verify_resident", "unsafe_silent_fallback"):
+        for k in ("fallback", "verify_resident", "unsafe_silent_fallback", "unsafe_uncounted_memory"):
             if k in extra and not isinstance(extra[k], bool):
                 raise LoaderConfigError(f"{LOAD_FORMAT} extra config {k!r} must be true or false")
         for k in ("connect_timeout_s", "state_timeout_s"):
@@ -80,7 +84,8 @@ class LoaderOptions:
             raise LoaderConfigError(f"{LOAD_FORMAT} unsafe_identity must be "
                                     f"{' or '.join(map(repr, UNSAFE_IDENTITIES))}")
         for name, on in (("unsafe_identity", opts.unsafe_identity is not None),
-                         ("unsafe_silent_fallback", opts.unsafe_silent_fallback)):
+                         ("unsafe_silent_fallback", opts.unsafe_silent_fallback),
+                         ("unsafe_uncounted_memory", opts.unsafe_uncounted_memory)):
             if on and not unsafe_controls_allowed():
                 raise LoaderConfigError(
                     f"{LOAD_FORMAT} extra config {name!r} is a negative control for tests only; it is "

@@ -7,11 +7,13 @@ without vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from pgbase.errors import (
 from pgbase.oscause import reason
 from preload.events import LoadEvent, emit
 from preload.loader import misses, resident
+from preload.loader.memory import daemon_device_bytes
 from preload.loader.misses import Miss
 from preload.loader.options import LOAD_FORMAT, LoaderConfigError, LoaderOptions
 from preload.loader.ranks import global_rank_of, rank_info
@@ -63,6 +66,16 @@ def _attach_failure_kind(miss: Miss) -> str:
     if miss.fields == ["content_digest"]:
         return "digest"
     return "verify" if isinstance(miss.cause, ResidentWeightsChangedError) else "attach"
+
+
+@contextlib.contextmanager
+def _phase(event: LoadEvent, name: str) -> Iterator[None]:
+    """Time one step of a load into ``event.phases[name]`` (seconds), however it ends."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        event.phases[name] = round(time.perf_counter() - t0, 6)
 
 
 def _on_daemon_loss(sdir: str, rank: int) -> None:
@@ -104,7 +117,25 @@ class VerifiedCacheLoader(BaseModelLoader):
         DefaultModelLoader(self._disk_config()).load_weights(model, model_config)
 
     def get_external_weight_memory(self, vllm_config: Any) -> int:
-        return 0  # CPU: the arena is shared file memory, not device memory
+        """Device bytes this engine will map from a daemon instead of
+        allocating: the arena's, in zero_copy mode on a GPU, when a daemon
+        answers for this engine's content digest; else 0.
+
+        vLLM's GPU worker asks every loader this before its start-up memory
+        check and takes the bytes off the engine's budget
+        (``request_memory``, vllm/v1/worker/utils.py; asked in
+        gpu_worker.py ``init_device``), as it does for its own
+        ``IpcModelLoader.get_external_weight_memory``. So the daemon's bytes
+        are counted once: an engine beside it starts at the
+        ``gpu_memory_utilization`` an ``auto`` engine starts at and gets the
+        KV cache ``auto`` gets. On CPU the arena is shared file memory, not
+        device memory (0). A daemon that cannot be asked, or serves other
+        content, means a disk load: 0, as vLLM's own loader answers; the
+        load's event then says why.
+        """
+        if self.config_error is not None:
+            return 0
+        return daemon_device_bytes(self.opts, vllm_config)
 
     def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
         """One event on every path: hit, a loud miss then disk, or a named
@@ -191,7 +222,8 @@ class VerifiedCacheLoader(BaseModelLoader):
 
         opts = self.opts
         device_type = str(vllm_config.device_config.device_type or "cpu")
-        digest = misses.resolve(opts, model_config.model, event)
+        with _phase(event, "resolve"):
+            digest = misses.resolve(opts, model_config.model, event)
         event.digest = digest
         sdir = Path(opts.socket_dir) if opts.socket_dir else socket_dir(digest, opts.socket_root)
         event.socket_dir = str(sdir)
@@ -213,15 +245,17 @@ class VerifiedCacheLoader(BaseModelLoader):
                 raise other
             raise misses.no_socket(opts, sdir, global_rank, digest, model_config.model)
         try:
-            client = DaemonClient.connect(sdir, global_rank, opts.connect_timeout_s, opts.state_timeout_s,
-                                          client=f"vllm-rank{global_rank}")
+            with _phase(event, "connect"):
+                client = DaemonClient.connect(sdir, global_rank, opts.connect_timeout_s, opts.state_timeout_s,
+                                              client=f"vllm-rank{global_rank}")
         except (WeightCacheUnavailableError, ProtocolError) as exc:
             raise misses.daemon_unavailable(exc, sdir, global_rank, model_config.model) from exc
         try:
             event.daemon_digest = client.hello.get("digest")
             pid = client.hello.get("pid")
             try:
-                state = client.get_state(key)
+                with _phase(event, "state"):
+                    state = client.get_state(key)
             except CacheKeyMismatchError as exc:
                 raise misses.key_mismatch(exc, key, model_config.model, sdir, pid, global_rank) from exc
             except (WeightCacheUnavailableError, ProtocolError) as exc:
@@ -231,7 +265,7 @@ class VerifiedCacheLoader(BaseModelLoader):
                 if state.digest != digest:
                     raise misses.wrong_digest(sdir, state.digest, digest, pid, global_rank, model_config.model)
                 try:
-                    model = self._build(vllm_config, model_config, prefix, state)
+                    model = self._build(vllm_config, model_config, prefix, state, event)
                 except PreloadGateError as exc:
                     raise misses.attach_failed(exc) from exc
                 except Exception as exc:
@@ -291,13 +325,13 @@ class VerifiedCacheLoader(BaseModelLoader):
             client.close()
         return None
 
-    def _build(self, vllm_config: Any, model_config: Any, prefix: str, state: Any) -> Any:
+    def _build(self, vllm_config: Any, model_config: Any, prefix: str, state: Any, event: LoadEvent) -> Any:
         device = torch.device(vllm_config.device_config.device or "cpu")
         forward_ctx = vllm_config.compilation_config.static_forward_context
         saved_ctx = dict(forward_ctx)
         self._undo: list[tuple[Any, str, Any, Any, bool, bool]] = []
         try:
-            return self._build_into(vllm_config, model_config, prefix, state, device)
+            return self._build_into(vllm_config, model_config, prefix, state, device, event)
         except BaseException:
             # Undo what the failed build registered, so a disk fallback
             # can build the model again (vLLM refuses a duplicate layer
@@ -319,12 +353,13 @@ class VerifiedCacheLoader(BaseModelLoader):
             self._undo = []
 
     def _build_into(self, vllm_config: Any, model_config: Any, prefix: str, state: Any,
-                    device: Any) -> Any:
+                    device: Any, event: LoadEvent) -> Any:
         with set_default_torch_dtype(model_config.dtype):
-            with torch.device("meta"):
+            with _phase(event, "build"), torch.device("meta"):
                 model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
             # copy mode only reads the daemon's tensors (it clones them): read-only where the transport can.
-            attachment = self._attachment = state.attach(writable=self.opts.mode != "copy")
+            with _phase(event, "map"):
+                attachment = self._attachment = state.attach(writable=self.opts.mode != "copy")
             modules = dict(model.named_modules(remove_duplicate=False))
             registered: dict[str, torch.Tensor] = {}
             kinds = {e.name: e.kind for e in state.layout.entries}
@@ -358,8 +393,9 @@ class VerifiedCacheLoader(BaseModelLoader):
                     module.register_buffer(leaf, obj)
                 registered[name] = obj
 
-            for name, tensor in attachment.tensors.items():
-                register(name, tensor.clone() if self.opts.mode == "copy" else tensor, kinds[name] == "param")
+            with _phase(event, "register"):
+                for name, tensor in attachment.tensors.items():
+                    register(name, tensor.clone() if self.opts.mode == "copy" else tensor, kinds[name] == "param")
             for alias, canonical in state.aliases.items():
                 if canonical not in registered:
                     raise WeightCacheUnavailableError(f"alias {alias} names missing tensor {canonical}")
@@ -369,10 +405,12 @@ class VerifiedCacheLoader(BaseModelLoader):
                 raise WeightCacheUnavailableError(
                     f"the daemon did not provide {len(missing)} tensors, e.g. {missing[:3]}")
             if resident.should_verify(self.opts, state):
-                resident.verify_attached(attachment.tensors, state)
-            if state.stage == "processed":
-                with weights_already_processed():
+                with _phase(event, "verify"):
+                    resident.verify_attached(attachment.tensors, state)
+            with _phase(event, "process"):
+                if state.stage == "processed":
+                    with weights_already_processed():
+                        process_weights_after_loading(model, model_config, device)
+                else:
                     process_weights_after_loading(model, model_config, device)
-            else:
-                process_weights_after_loading(model, model_config, device)
         return model.eval()

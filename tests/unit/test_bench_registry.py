@@ -75,7 +75,7 @@ def test_the_real_gpu_rows_report_not_run_on_this_machine(monkeypatch):
     rows = load_rows()
     monkeypatch.setattr(bench, "missing", lambda needs: "no CUDA device is visible" if needs else None)
     cuda_rows = [r for r in rows.values() if r.needs == "cuda"]
-    assert {r.name for r in cuda_rows} == {"gpu_attach", "gpu_checksum", "gpu_daemon_attach", "gpu_readopt"}
+    assert {r.name for r in cuda_rows} == {"gpu_attach", "gpu_checksum", "gpu_daemon_attach", "gpu_readopt", "gpu_restart"}
     for r in cuda_rows:
         (result,) = r.run(BenchOptions())
         assert result.row == r.name and result.not_run == "no CUDA device is visible"
@@ -110,7 +110,7 @@ def test_list_names_heavy_rows_and_needs(capsys):
     heavy = {name for name, extra in blocks.items() if "heavy:" in extra}
     assert {"daemon_weight_load", "gate_selftest", "promote_throughput"} <= heavy
     assert "restart_identity" not in heavy and "restart_identity" in blocks
-    assert out.count("needs cuda") == 4
+    assert out.count("needs cuda") == 5
 
 
 def test_skip_heavy_with_only_is_refused(capsys):

@@ -144,9 +144,9 @@ BAD = [
      "PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS=1"),
     ("preload", ["preload", "{ckpt}", "--stage", "raw", "--expect-digest", "xyz"], None, "64 hex"),
     # A stage no engine on the transport asks for (a resident copy nobody can attach).
-    ("preload", ["preload", "{ckpt}", "--stage", "processed"], None, "--stage processed with --transport shm"),
+    ("preload", ["preload", "{ckpt}", "--stage", "processed"], None, "--stage processed serves no engine on this host"),
     ("preload", ["preload", "{ckpt}", "--stage", "processed", "--dry-run"], None,
-     "--stage processed with --transport shm"),
+     "--stage processed serves no engine on this host"),
     # A digest is read by one rule (pgbase.digest_text): the right length is not enough, nothing is stripped.
     ("preload", ["preload", "{ckpt}", "--stage", "raw", "--expect-digest", "g" * 64], None,
      "argument --expect-digest: 'gggg"),

@@ -24,6 +24,8 @@ TABLE = [
     ("nonnegative_float", "-0.5", "-0.5 is negative; give 0 or more", "0", 0.0),
     # A digest, by pgbase.digest_text's one rule (its own table: test_digest_text.py).
     ("digest_arg", "g" * 64, "character 1 ('g') is not hex", "AB" * 32, "ab" * 32),
+    ("size_arg", "0", "less than one byte", "2G", 2 << 30),
+    ("size_arg", "2T", "more than 1T", "64M", 64 << 20),
     ("digest_arg", "ab" * 32 + " ", "surrounding whitespace", "ab" * 32, "ab" * 32),
     # The parse itself, before any bound.
     ("positive_int", "1.5", "'1.5' is not an integer", "15", 15),

@@ -48,7 +48,8 @@ def test_bad_extra_config_is_one_clear_error(extra, match):
         LoaderOptions.from_extra(extra)
 
 
-@pytest.mark.parametrize("extra", [{"unsafe_identity": "header_only"}, {"unsafe_silent_fallback": True}])
+@pytest.mark.parametrize("extra", [{"unsafe_identity": "header_only"}, {"unsafe_silent_fallback": True},
+                                   {"unsafe_uncounted_memory": True}])
 def test_negative_controls_need_the_test_only_switch(monkeypatch, extra):
     """Refused by name without PRELOAD_GATE_ALLOW_UNSAFE_CONTROLS=1; accepted
     with it (control)."""
