@@ -56,15 +56,20 @@ class TensorizerTarget(LoaderTarget):
         return PreparedCache(settings, out / FILE_NAME, ctx.digest_of(base))
 
     def extra_config(self, cache: PreparedCache) -> dict[str, Any] | None:
-        return {"tensorizer_config": {"tensorizer_uri": str(cache.location)}}
+        # Top level, as `--model-loader-extra-config '{"tensorizer_uri": ...}'`: vLLM's
+        # EngineArgs.create_load_config replaces a nested "tensorizer_config" with
+        # {"tensorizer_dir": MODEL} and copies the top-level TensorizerConfig fields into it.
+        return {"tensorizer_uri": str(cache.location)}
 
     def served(self, cache: PreparedCache, case: GateCase, candidate: Path, candidate_digest: str,
                result: EngineResult, log: str) -> Served:
         same = candidate_digest == cache.source_digest
-        notes = [f"the engine read {cache.location}, serialized by vLLM's tensorize_vllm_model from content "
+        notes = [f"the engine was given {cache.location} (tensorizer_uri), serialized by vLLM's tensorize_vllm_model "
+                 f"from content "
                  f"{cache.source_digest[:16]} ({'the candidate' if same else 'NOT the candidate, ' + candidate_digest[:16]}); "
                  "vLLM never compares it with the checkpoint beside it"]
         seen = _DESERIALIZED.search(log)
         notes.append(f"vLLM logged '{seen.group()}'" if seen else
-                     "vLLM logged no 'Deserialized ... in ...s' line (a HuggingFace-format file, or the log was cut)")
+                     "vLLM logged no 'Deserialized ... in ...s' line: the file was not deserialized as a "
+                     "vLLM-tensorized model (the engine failed first, or the file holds HuggingFace-named tensors)")
         return Served(hit_proven=False, notes=notes)

@@ -99,7 +99,7 @@ SPECS = {
     "fastsafetensors": ("fastsafetensors", None),
     "instanttensor": ("instanttensor", None),
     "runai_streamer": ("runai_streamer", None),
-    "tensorizer": ("tensorizer", {"tensorizer_config": {"tensorizer_uri": "/w/tensorized/model.tensors"}}),
+    "tensorizer": ("tensorizer", {"tensorizer_uri": "/w/tensorized/model.tensors"}),
 }
 
 
@@ -221,3 +221,10 @@ def test_target_all_runs_the_gate_once_per_target_with_its_own_report(monkeypatc
     rc = main(["gate", str(tmp_path / "ckpt"), "--mutations", "identical_copy", "--target", "ipc_cache",
                "--report", str(tmp_path / "r1")])
     assert seen == [("ipc_cache", str(tmp_path / "r1"), None)] and rc == 2  # control: one target, its own dirs
+
+
+def test_package_present_looks_the_module_up_without_importing_it():
+    import sys
+
+    assert loaders.package_present("json") and "no_such_loader_package_41" not in sys.modules
+    assert not loaders.package_present("no_such_loader_package_41")  # control: an absent one is absent
