@@ -11,6 +11,7 @@ registry and source is tests/cpu/test_loader_formats_vllm.py (it imports vLLM).
 from __future__ import annotations
 
 import dataclasses
+import io
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +22,7 @@ from harness.demo import DEMO_TARGETS
 from harness.engine import EngineResult, EngineSpec
 from harness.gate import GateOptions, run_gate
 from harness.mutations import BASE_SETTINGS, case_by_name
+from harness.report.terminal import print_summary
 from harness.results import CaseResult
 from harness.targets import NAMES, get_target
 from harness.targets.base import PreparedCache
@@ -179,6 +181,16 @@ def test_the_gate_reports_each_case_not_run_with_the_reason(name, tiny_ckpt, tmp
     assert [(c.name, c.status, c.not_run_reason) for c in report.cases] == [
         ("identical_copy", NOT_RUN, reason), ("zeroed_norm", NOT_RUN, reason)]
     assert report.exit_code == 2 and report.verdict != PASS
+    # The terminal says why, once (the table has no room for it); control: a run with none not run says nothing.
+    doc = report.to_json()
+    out = io.StringIO()
+    print_summary(doc, stream=out)
+    assert " ".join(out.getvalue().split()).count(f"not run: {' '.join(reason.split())}") == 1
+    for c in doc["cases"]:
+        c["status"] = PASS
+    out = io.StringIO()
+    print_summary(doc, stream=out)
+    assert "not run:" not in out.getvalue()
 
 
 def test_the_cli_offers_every_target_and_the_demo_shows_every_column():
