@@ -98,7 +98,7 @@ def _nvidia() -> bool:
     """torch sees a CUDA device and is not a ROCm build (vLLM's is_cuda())."""
     if cuda_devices() == 0:
         return False
-    import torch  # optional: torch is vLLM's dependency, not ours
+    import torch  # here, not at the top: seconds to import, and only unavailable() needs it
 
     return torch.version.hip is None
 

@@ -25,12 +25,14 @@ from pathlib import Path
 
 import pytest
 
+from harness.gate import GateOptions, run_gate
 from harness.targets.loaders import LOADERS, VLLM_LOAD_FORMATS, package_present
 
 vllm_loader = pytest.importorskip(
     "vllm.model_executor.model_loader",
     reason="vLLM is not installed: its registry of load formats is what this compares with")
 weight_utils = pytest.importorskip("vllm.model_executor.model_loader.weight_utils")
+vllm_tensorizer = pytest.importorskip("vllm.model_executor.model_loader.tensorizer")
 
 pytestmark = pytest.mark.cpu
 
@@ -69,8 +71,6 @@ def _imported(path: str) -> set[str]:
 
 
 def test_each_package_we_name_is_the_one_vllm_imports():
-    import vllm.model_executor.model_loader.tensorizer as vllm_tensorizer
-
     imported = _imported(weight_utils.__file__) | _imported(vllm_tensorizer.__file__)
     for loader in LOADERS.values():
         assert loader.module in imported, loader
@@ -96,8 +96,6 @@ def test_the_gpu_requirements_we_state_are_vllms():
 def test_runai_streamer_on_cpu_equals_auto_on_each_candidate(tiny_ckpt, tmp_path):
     if not package_present("runai_model_streamer"):
         pytest.skip("runai_streamer needs the runai_model_streamer package: pip install runai-model-streamer")
-    from harness.gate import GateOptions, run_gate
-
     report = run_gate(GateOptions(candidate=str(tiny_ckpt), target="runai_streamer",
                                   mutations="identical_copy,zeroed_norm", workdir=str(tmp_path / "w"),
                                   reference_cache=str(tmp_path / "refs")))

@@ -12,12 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+import harness.cli
+import harness.engine
+import harness.gate
+import harness.report
+import harness.report.terminal
 import harness.targets.loaders as loaders
+from harness.cli import DEMO_TARGET_NAMES, TARGET_NAMES
 from harness.demo import DEMO_TARGETS
 from harness.engine import EngineResult, EngineSpec
 from harness.gate import GateOptions, run_gate
@@ -29,6 +37,7 @@ from harness.targets.base import PreparedCache
 from harness.targets.judge import judge_served
 from harness.targets.tensorizer import TensorizerTarget
 from harness.verdict import BLOCK, NOT_RUN, PASS
+from preload_gate.cli import main
 
 pytestmark = pytest.mark.unit
 
@@ -37,8 +46,6 @@ LOADER_TARGETS = ("fastsafetensors", "instanttensor", "runai_streamer", "tensori
 
 def _machine(monkeypatch, gpus: int, hip: str | None, packages: set[str], vllm: bool = True) -> None:
     """This machine as the row says: CUDA devices, a ROCm build or not, importable packages, vLLM."""
-    import torch  # torch is in every tier's env (tox.ini); only its version.hip is replaced
-
     monkeypatch.setattr(loaders, "cuda_devices", lambda: gpus)
     monkeypatch.setattr(loaders, "installed_vllm", lambda: ("vllm", "0.33.0") if vllm else None)
     monkeypatch.setattr(loaders, "package_present", lambda name: name in packages)
@@ -194,21 +201,12 @@ def test_the_gate_reports_each_case_not_run_with_the_reason(name, tiny_ckpt, tmp
 
 
 def test_the_cli_offers_every_target_and_the_demo_shows_every_column():
-    from harness.cli import DEMO_TARGET_NAMES, TARGET_NAMES
-
     assert TARGET_NAMES == NAMES
     assert DEMO_TARGET_NAMES == DEMO_TARGETS
     assert set(LOADER_TARGETS) <= set(DEMO_TARGETS)
 
 
 def test_target_all_runs_the_gate_once_per_target_with_its_own_report(monkeypatch, tmp_path, capsys):
-    import harness.cli
-    import harness.engine
-    import harness.gate
-    import harness.report
-    import harness.report.terminal
-    from preload_gate.cli import main
-
     seen: list[tuple[str, str | None, str | None]] = []
     written: list[str] = []
 
@@ -236,7 +234,5 @@ def test_target_all_runs_the_gate_once_per_target_with_its_own_report(monkeypatc
 
 
 def test_package_present_looks_the_module_up_without_importing_it():
-    import sys
-
     assert loaders.package_present("json") and "no_such_loader_package_41" not in sys.modules
     assert not loaders.package_present("no_such_loader_package_41")  # control: an absent one is absent
