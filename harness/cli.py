@@ -13,6 +13,14 @@ from pathlib import Path
 from pgbase.cliargs import positive_float, positive_int
 from pgbase.survivor import hold
 
+# harness.targets.NAMES, held equal by a test: importing it here would cost
+# every verb the targets' imports.
+TARGET_NAMES = ("verified_cache", "header_only", "npcache", "sharded_state", "ipc_cache",
+                "fastsafetensors", "instanttensor", "runai_streamer", "tensorizer")
+# harness.demo.DEMO_TARGETS, likewise.
+DEMO_TARGET_NAMES = ("verified_cache", "header_only", "sharded_state", "npcache", "ipc_cache",
+                     "fastsafetensors", "instanttensor", "runai_streamer", "tensorizer")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     for add in _VERBS:
@@ -108,9 +116,9 @@ def _register_gate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base", default=None,
                    help="self-test: the base to mutate (default CANDIDATE); promotion: the checkpoint "
                         "the running daemon holds, checked to miss loudly on the candidate")
-    p.add_argument("--target", default="verified_cache",
-                   choices=("verified_cache", "header_only", "npcache", "sharded_state", "ipc_cache"),
-                   help="the weight cache to judge (default: ours); see harness/targets/")
+    p.add_argument("--target", default="verified_cache", choices=(*TARGET_NAMES, "all"),
+                   help="the weight cache or vLLM loader to judge (default: ours; all: each in turn, "
+                        "reports in REPORT/<target>); see harness/targets/")
     p.add_argument("--mutations", default=None, metavar="all|NAME,..",
                    help="run the self-test matrix (default: promotion gate on CANDIDATE)")
     p.add_argument("--report", default=None, metavar="DIR", help="write report.{json,md,xml,html} here")
@@ -173,22 +181,43 @@ def _gate(args: argparse.Namespace) -> int:
         raise GateSetupError("--ray-resource applies with --ray ADDRESS: add --ray, or drop the flag")
     unwind_on_signals("gate")
     hold("gate")  # its engines, daemons and prepare children end with it, kill -9 included
-    report = run_gate(GateOptions(
-        candidate=args.candidate, base=args.base, target=args.target, mutations=args.mutations,
-        report_dir=args.report, workdir=args.workdir, reference_cache=args.reference_cache,
-        unsafe_identity=args.unsafe_identity, unsafe_silent_fallback=args.unsafe_silent_fallback,
-        run_tp=args.run_tp, jobs=args.jobs, engine_timeout_s=args.engine_timeout,
-        record_golden=not args.no_golden, progress=None if args.json else TerminalProgress(),
-        settings=settings,
-    ), executor=executor)
-    doc = report.to_json()
-    if args.report:
-        write_reports(doc, args.report)
+    many = args.target == "all"
+    docs, codes = {}, []
+    for name in (TARGET_NAMES if many else (args.target,)):
+        report = run_gate(GateOptions(
+            candidate=args.candidate, base=args.base, target=name, mutations=args.mutations,
+            report_dir=_per_target(args.report, name, many), workdir=_per_target(args.workdir, name, many),
+            reference_cache=args.reference_cache,
+            unsafe_identity=args.unsafe_identity, unsafe_silent_fallback=args.unsafe_silent_fallback,
+            run_tp=args.run_tp, jobs=args.jobs, engine_timeout_s=args.engine_timeout,
+            record_golden=not args.no_golden, progress=None if args.json else TerminalProgress(),
+            settings=settings,
+        ), executor=executor)
+        doc = report.to_json()
+        if args.report:
+            write_reports(doc, _per_target(args.report, name, many))
+        if not args.json:
+            print_summary(doc)
+        docs[name] = doc
+        codes.append(report.exit_code)
     if args.json:
-        print(json.dumps(doc, indent=2))
-    else:
-        print_summary(doc)
-    return report.exit_code
+        print(json.dumps(docs if many else docs[args.target], indent=2))
+    return targets_exit(codes)
+
+
+def _per_target(path: str | None, name: str, many: bool) -> str | None:
+    """``--target all``: each target's report and workdir in ``PATH/<target>``."""
+    return str(Path(path) / name) if (path and many) else path
+
+
+def targets_exit(codes: list[int]) -> int:
+    """One exit for several targets' gates: 1 when one blocked, else 0 when one
+    ran and passed, else 2 (none ran). With one target, its own exit code.
+
+    >>> targets_exit([2, 0, 2]), targets_exit([0, 1, 2]), targets_exit([2, 2])
+    (0, 1, 2)
+    """
+    return 1 if 1 in codes else (0 if 0 in codes else 2)
 
 
 def _register_demo(sub: argparse._SubParsersAction) -> None:
@@ -198,8 +227,7 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--report", default="preload-gate-report", metavar="DIR")
     p.add_argument("--mutations", default="all", metavar="all|NAME,..",
                    help="all: identical_copy, zeroed_norm, inplace_overwrite, stale_derivation")
-    p.add_argument("--targets", default=",".join(("verified_cache", "header_only", "sharded_state", "npcache",
-                                                   "ipc_cache")), metavar="NAME,..")
+    p.add_argument("--targets", default=",".join(DEMO_TARGET_NAMES), metavar="NAME,..")
     _gate_options(p)
     # Two engines at once, each pinned to its own core, when there are two.
     p.set_defaults(func=_demo, jobs=min(2, len(os.sched_getaffinity(0))))

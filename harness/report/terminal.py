@@ -50,5 +50,10 @@ def print_summary(report: dict[str, Any], stream: Any = None) -> None:
         f"[{_STYLE[report['verdict']]}]{report['verdict']}[/]: {c['PASS']} passed, {c['BLOCK']} blocked, "
         f"{c['NOT_RUN']} not run, {report['seconds']:.0f} s (exit {report['exit_code']})"
     )
+    # Why cases were not run, once each: the table has no room for it, and a not-run without its
+    # reason reads like a pass that was skipped.
+    for why in dict.fromkeys(c.get("not_run_reason") for c in report["cases"] if c["status"] == "NOT_RUN"):
+        if why:
+            console.print(f"not run: {why}", markup=False)
     if report.get("error"):
         console.print(f"error: {report['error']}", markup=False)

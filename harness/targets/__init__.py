@@ -9,15 +9,20 @@ from __future__ import annotations
 from harness.targets.base import CacheTarget
 from harness.targets.header_only import HeaderOnlyTarget
 from harness.targets.ipc_cache import IpcCacheTarget
+from harness.targets.loaders import FastsafetensorsTarget, InstanttensorTarget, RunaiStreamerTarget
 from harness.targets.npcache import NpcacheTarget
 from harness.targets.sharded_state import ShardedStateTarget
+from harness.targets.tensorizer import TensorizerTarget
 from harness.targets.verified_cache import VerifiedCacheTarget
 from pgbase.errors import PreloadGateError
 
 TARGETS: dict[str, type[CacheTarget]] = {
-    t.name: t for t in (VerifiedCacheTarget, HeaderOnlyTarget, NpcacheTarget, ShardedStateTarget, IpcCacheTarget)
+    t.name: t for t in (VerifiedCacheTarget, HeaderOnlyTarget, NpcacheTarget, ShardedStateTarget, IpcCacheTarget,
+                        FastsafetensorsTarget, InstanttensorTarget, RunaiStreamerTarget, TensorizerTarget)
 }
 NAMES = tuple(TARGETS)
+# `--target all`: the gate once per target, in this order.
+ALL = "all"
 
 
 class UnknownTargetError(PreloadGateError):
@@ -30,4 +35,4 @@ def get_target(name: str) -> CacheTarget:
     return TARGETS[name]()
 
 
-__all__ = ["NAMES", "TARGETS", "CacheTarget", "UnknownTargetError", "get_target"]
+__all__ = ["ALL", "NAMES", "TARGETS", "CacheTarget", "UnknownTargetError", "get_target"]

@@ -19,7 +19,9 @@ def test_plan_lanes_splits_by_kind_only_with_two_cores():
         pytest.skip("one CPU: the demo runs one lane")
     a, b = sorted(os.sched_getaffinity(0))[:2]
     assert demo.plan_lanes(demo.DEMO_TARGETS, 2, False) == [
-        (("verified_cache", "header_only"), 1, (a,)), (("sharded_state", "npcache", "ipc_cache"), 1, (b,))]
+        (("verified_cache", "header_only"), 1, (a,)),
+        (("sharded_state", "npcache", "ipc_cache", "fastsafetensors", "instanttensor", "runai_streamer",
+          "tensorizer"), 1, (b,))]
     # Controls: one job, a TP=2 run (both cores per engine), or one kind: one lane as before.
     for args in ((demo.DEMO_TARGETS, 1, False), (demo.DEMO_TARGETS, 2, True), (("npcache", "ipc_cache"), 2, False)):
         assert demo.plan_lanes(*args) == [(args[0], args[1], None)]

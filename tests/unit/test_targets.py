@@ -72,7 +72,8 @@ def test_fixtures_cli_writes_the_bin_format(tmp_path):
 
 
 def test_every_target_names_cases_of_the_one_table():
-    assert NAMES == ("verified_cache", "header_only", "npcache", "sharded_state", "ipc_cache")
+    assert NAMES == ("verified_cache", "header_only", "npcache", "sharded_state", "ipc_cache",
+                     "fastsafetensors", "instanttensor", "runai_streamer", "tensorizer")
     for name in NAMES:
         t = get_target(name)
         cases = select_target_cases(t, "all")
