@@ -270,8 +270,9 @@ def test_the_daemon_holds_the_weights_once_and_an_engine_beside_it_gets_autos_kv
         uncounted = run_engine(stack.spec(sized, "verified_cache", {**vc, "unsafe_uncounted_memory": True},
                                           gpu_memory_utilization=util), stack.work / "m-uncounted")
         figures.update(ours=ours.vllm_figures, auto_beside_ok=auto_beside.ok, uncounted_ok=uncounted.ok)
-        assert not auto_beside.ok and "Free memory on device" in auto_beside.log_tail, auto_beside.log_tail[-2000:]
-        assert not uncounted.ok and "Free memory on device" in uncounted.log_tail, uncounted.log_tail[-2000:]
+        for refused in (auto_beside, uncounted):
+            said = (refused.error or "") + refused.log_tail
+            assert not refused.ok and "Free memory on device" in said, said[-2000:]
     finally:
         d.stop()
         shutil.rmtree(root, ignore_errors=True)
