@@ -68,7 +68,7 @@ run)  # the background driver: each step in turn, its exit code in $RES/<step>/r
                 --report "$d/report" --jobs "${DEMO_JOBS:-4}" --workdir /root/demo-work > "$d/demo.log" 2>&1
             ;;
         bench)
-            PRELOAD_GATE_BENCH_DIR=/root/bench-work timeout "${BENCH_TIMEOUT:-1500}" python3 -m preload_gate bench \
+            PRELOAD_GATE_BENCH_PARTIAL="$d/partial.jsonl" PRELOAD_GATE_BENCH_DIR=/root/bench-work timeout "${BENCH_TIMEOUT:-1500}" python3 -m preload_gate bench \
                 --only "${BENCH_ROWS:-gpu_restart}" --size "${BENCH_SIZE:-8G}" --out "$d/bench" > "$d/bench.log" 2>&1
             ;;
         *) echo "unknown step $step" > "$d/log"; false ;;
