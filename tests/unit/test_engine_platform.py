@@ -17,6 +17,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 from daemon_support import REPO, Daemon, repo_pythonpath, short_dir
 
 from pgbase.errors import PreloadGateError
@@ -36,10 +37,11 @@ RESOLVED = [
     ("cuda", None, "cuda", ("processed", "cuda")),
     ("cpu", "loaded", None, ("loaded", "shm")),
     ("cpu", None, "shm", ("loaded", "shm")),
-    ("cuda", "raw", None, ("raw", "shm")),  # this test host's torch sees no GPU: raw goes to shm
+    # raw goes to the GPU where torch sees one (attach_model's default device), else shm
+    ("cuda", "raw", None, ("raw", "cuda" if torch.cuda.is_available() else "shm")),
     ("cpu", "raw", "shm", ("raw", "shm")),
     ("cuda", "raw", "cuda", ("raw", "cuda")),  # a transformers consumer on the GPU (preload.hf_attach)
-    (None, None, None, ("raw", "shm")),  # no vLLM: the stage other consumers attach
+    (None, None, None, ("raw", "cuda" if torch.cuda.is_available() else "shm")),  # no vLLM: other consumers
     (None, None, "shm", ("raw", "shm")),
 ]
 
@@ -102,14 +104,18 @@ def _preload(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_dry_run_prints_this_hosts_rule_and_refuses_others_before_reading(tiny_ckpt) -> None:
-    pytest.importorskip("vllm", reason="the platform's rule needs vLLM (this host: CPU, loaded/shm)")
+    pytest.importorskip("vllm", reason="the platform's rule needs vLLM")
+    from preload.engine_platform import host_device_type
+
+    device = host_device_type()  # vLLM's own answer: cpu here, cuda on the GPU machine
+    want, other = (("processed", "cuda"), "loaded") if device == "cuda" else (("loaded", "shm"), "processed")
     plan = _preload(str(tiny_ckpt), "--dry-run", "--json", "--socket-root", str(short_dir("pg-ep-")))
     assert plan.returncode == 0, plan.stderr
     body = json.loads(plan.stdout)
-    assert (body["stage"], body["transport"]) == ("loaded", "shm")
-    refused = _preload(str(tiny_ckpt), "--stage", "processed", "--dry-run")
+    assert (body["stage"], body["transport"]) == want
+    refused = _preload(str(tiny_ckpt), "--stage", other, "--dry-run")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
-    assert "loaded" in refused.stderr and "Traceback" not in refused.stderr
+    assert want[0] in refused.stderr and "Traceback" not in refused.stderr
 
 
 class _Cfg(SimpleNamespace):
