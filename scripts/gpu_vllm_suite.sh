@@ -6,12 +6,14 @@
 #   carry [".gpu-extra/eN"], command: mkdir -p /root/gx && mv .gpu-extra/eN/* /root/gx/
 # Then, on the machine (each a device call; a machine keeps what they install for its lease):
 #   bash scripts/gpu_vllm_suite.sh install               # /root/gs -> /root/site; this repo -> /root/pg
-#   bash scripts/gpu_vllm_suite.sh start [STEPS]          # STEPS (default tier,demo,bench) in order, in the
-#                                                         # background, results under /root/out/<step>/
+#   bash scripts/gpu_vllm_suite.sh start [STEPS]          # STEPS (default tier+demo,memory,bench) in order, in
+#                                                         # the background ('+': side by side), results under
+#                                                         # /root/out/<step>/
 #   bash scripts/gpu_vllm_suite.sh wait STEP [SECONDS]    # until STEP ends (or SECONDS, default 580);
 #                                                         # its results packed into $OUT/<step>.tgz
 # Steps:
 #   tier   pytest tests/gpu_vllm (the CUDA vLLM tier) + the platform rule's unit tests; figures.json
+#   memory the tier's memory test, alone on the GPU (it sets gpu_memory_utilization from free memory)
 #   demo   preload-gate demo --model smollm2 (every demo target, ipc_cache judged) -> report.{json,md,html}
 #   bench  preload-gate bench --only gpu_restart --size $BENCH_SIZE (default 8G) -> bench.json
 set -u -o pipefail
@@ -47,25 +49,38 @@ install)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     ;;
 start)
-    steps=${1:-tier,demo,bench}
+    steps=${1:-tier+demo,memory,bench}
     mkdir -p "$RES"
     setsid nohup bash "$0" run "$steps" > "$RES/driver.log" 2>&1 < /dev/null &
     echo "started $steps (pid $!), log $RES/driver.log"
     ;;
-run)  # the background driver: each step in turn, its exit code in $RES/<step>/rc
-    for step in ${1//,/ }; do
+run)  # the background driver: each group in turn (a group is steps joined by '+', run side by side),
+      # each step's exit code in $RES/<step>/rc
+    for group in ${1//,/ }; do
+        for step in ${group//+/ }; do bash "$0" step "$step" & done
+        wait
+    done
+    ;;
+step)
+    for step in "$1"; do
         d="$RES/$step"; rm -rf "$d"; mkdir -p "$d"
         cd "$REPO"
         echo "== $step $(date -u +%T)"
         case "$step" in
         tier)
             PRELOAD_GATE_GPU_FIGURES="$d/figures.json" timeout "${TIER_TIMEOUT:-1200}" python3 -m pytest -q \
-                -p no:cacheprovider -o addopts="" -rs --durations=25 tests/gpu_vllm tests/unit/test_engine_platform.py \
+                -p no:cacheprovider -o addopts="" -rs --durations=25 tests/gpu_vllm/test_vllm_cuda.py tests/unit/test_engine_platform.py \
+                > "$d/pytest.log" 2>&1
+            ;;
+        memory)  # alone on the GPU: it reads free memory and sets gpu_memory_utilization from it
+            PRELOAD_GATE_GPU_FIGURES="$d/figures.json" timeout "${TIER_TIMEOUT:-1200}" python3 -m pytest -q \
+                -p no:cacheprovider -o addopts="" -rs --durations=25 tests/gpu_vllm/test_vllm_cuda_memory.py \
                 > "$d/pytest.log" 2>&1
             ;;
         demo)
             timeout "${DEMO_TIMEOUT:-1500}" python3 -m preload_gate demo --model "${DEMO_MODEL:-smollm2}" \
-                --report "$d/report" --jobs "${DEMO_JOBS:-4}" --workdir /root/demo-work > "$d/demo.log" 2>&1
+                ${DEMO_TARGETS:+--targets "$DEMO_TARGETS"} --report "$d/report" --jobs "${DEMO_JOBS:-3}" \
+                --workdir /root/demo-work > "$d/demo.log" 2>&1
             ;;
         bench)
             PRELOAD_GATE_BENCH_PARTIAL="$d/partial.jsonl" PRELOAD_GATE_BENCH_DIR=/root/bench-work timeout "${BENCH_TIMEOUT:-1500}" python3 -m preload_gate bench \
@@ -87,6 +102,10 @@ wait)
         ls -l "$OUT"
     fi
     [ -f "$RES/$step/rc" ] && echo "STEP $step rc $(cat "$RES/$step/rc")" || echo "STEP $step still running"
+    ;;
+collect)  # everything so far, one file: $OUT/results.tgz
+    tail -n 20 "$RES/driver.log" 2>/dev/null
+    tar -czf "$OUT/results.tgz" -C "$RES" . && ls -l "$OUT"
     ;;
 *)
     echo "gpu_vllm_suite: unknown command $cmd" >&2; exit 2

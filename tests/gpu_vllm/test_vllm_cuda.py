@@ -4,9 +4,9 @@ One session: the tiny fixture (base), a copy whose first norm is zeroed with
 its header untouched (the mutant vLLM's header-only key cannot tell apart),
 three daemons started with the platform's defaults (no ``--stage`` or
 ``--transport``: what a GPU user types), and eight engines run side by side
-(their starts take turns on the GPU). Then, one after another: an OpenAI
-server whose daemon is killed under it, and the memory story on a 2 GiB
-Qwen3-architecture checkpoint beside our daemon and beside vLLM's.
+(their starts take turns on the GPU). Then an OpenAI server whose daemon
+is killed under it. The memory story is test_vllm_cuda_memory.py (alone on
+the GPU).
 """
 
 from __future__ import annotations
@@ -28,12 +28,9 @@ from vllm_gpu_support import (
     UNSAFE,
     engine_env,
     engine_log,
-    gpu_memory_mib,
-    process_mib,
     record,
     run_all,
     stats,
-    vllm_preload,
     why_failed,
 )
 
@@ -231,62 +228,3 @@ def test_kill_9_of_the_daemon_leaves_a_zero_copy_engine_answering_the_same(stack
     r = run_engine(stack.spec(stack.base, "verified_cache", {"socket_root": str(stack.roots["zero"]),
                                                              "fallback": False}), stack.work / "after-kill")
     assert not r.ok and r.events and r.events[0]["outcome"] in ("miss", "error"), r.events
-
-
-@pytest.fixture(scope="module")
-def sized(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from fixtures.sized import write_sized
-
-    return write_sized(tmp_path_factory.mktemp("sized") / "ckpt", 2 * GIB)
-
-
-def test_the_daemon_holds_the_weights_once_and_an_engine_beside_it_gets_autos_kv_cache(
-        stack: Stack, sized: Path) -> None:
-    root = short_dir("pg-gvmem-")
-    promote(sized, socket_root=root, cache_dir=stack.cache, progress=False)
-    weights = sum(p.stat().st_size for p in sized.glob("*.safetensors"))
-    vc = {"socket_root": str(root), "fallback": True}
-    figures: dict = {"weights_bytes": weights}
-    used0 = gpu_memory_mib()["used"]
-    d = Daemon(sized, root, stack.cache, args=()).start(timeout=900)
-    figures["daemon_gpu_used_mib"] = gpu_memory_mib()["used"] - used0
-    try:
-        st = stats(d.socket_dir)
-        held, arena, returned = st["device_bytes_held"], st["resident_bytes"], st["device_cache_returned"]
-        figures.update(daemon_device_bytes_held=held, arena_bytes=arena, torch_cache_returned=returned,
-                       daemon_nvidia_smi_mib=process_mib(d.rank_pid))
-        assert held <= 1.05 * arena, figures
-        # Control: before the cache was given back the daemon held the weights twice.
-        assert held + returned > 1.05 * arena, figures
-        # A utilization above what is free beside the daemon, below it once the daemon's bytes are counted once.
-        mem = gpu_memory_mib()
-        util = round((mem["free"] * (1 << 20) + arena / 2) / (mem["total"] * (1 << 20)), 4)
-        figures.update(util=util, free_mib_beside_daemon=mem["free"], total_mib=mem["total"])
-        ours = run_engine(stack.spec(sized, "verified_cache", vc, gpu_memory_utilization=util), stack.work / "m-ours")
-        assert ours.ok, why_failed(ours)
-        assert ours.events[0]["outcome"] == "hit", ours.events
-        # Controls: auto beside the daemon, and our loader told to count nothing, both refuse to start.
-        auto_beside = run_engine(stack.spec(sized, gpu_memory_utilization=util), stack.work / "m-auto-beside")
-        uncounted = run_engine(stack.spec(sized, "verified_cache", {**vc, "unsafe_uncounted_memory": True},
-                                          gpu_memory_utilization=util), stack.work / "m-uncounted")
-        figures.update(ours=ours.vllm_figures, auto_beside_ok=auto_beside.ok, uncounted_ok=uncounted.ok)
-        for refused in (auto_beside, uncounted):
-            said = (refused.error or "") + refused.log_tail
-            assert not refused.ok and "Free memory on device" in said, said[-2000:]
-    finally:
-        d.stop()
-        shutil.rmtree(root, ignore_errors=True)
-    auto = run_engine(stack.spec(sized, gpu_memory_utilization=util), stack.work / "m-auto")
-    assert auto.ok, why_failed(auto)
-    figures["auto"] = auto.vllm_figures
-    used0 = gpu_memory_mib()["used"]
-    with vllm_preload(sized) as vp:
-        figures["vllm_daemon_gpu_used_mib"] = gpu_memory_mib()["used"] - used0
-        ipc = run_engine(stack.spec(sized, "ipc_cache", {"socket_dir": str(vp["socket_dir"]), "fallback": True},
-                                    gpu_memory_utilization=util), stack.work / "m-ipc")
-        figures.update(ipc_ok=ipc.ok, ipc=ipc.vllm_figures)
-    record("memory_2g", figures)
-    kv_auto, kv_ours = auto.vllm_figures["kv_cache_gib"], ours.vllm_figures["kv_cache_gib"]
-    assert abs(kv_ours - kv_auto) <= max(0.02 * kv_auto, 0.05), figures
-    if ipc.ok:  # where vLLM's own daemon lets an engine start, ours does (ours started above)
-        assert abs(ipc.vllm_figures["kv_cache_gib"] - kv_auto) <= max(0.02 * kv_auto, 0.05), figures

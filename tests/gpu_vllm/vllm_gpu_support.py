@@ -46,7 +46,7 @@ def engine_env(cache: Path) -> dict[str, str]:
 
 
 def run_all(specs: Mapping[str, EngineSpec], workdir: Path,
-            workers: int = int(os.environ.get("PRELOAD_GATE_GPU_VLLM_WORKERS", "6"))) -> dict[str, EngineResult]:
+            workers: int = int(os.environ.get("PRELOAD_GATE_GPU_VLLM_WORKERS", "4"))) -> dict[str, EngineResult]:
     """Every spec in its own engine process, several at once (their starts
     take turns: harness.engine_worker's GPU start lock)."""
     with ThreadPoolExecutor(max_workers=workers) as pool:
