@@ -238,6 +238,7 @@ def _candidate(plan: RunPlan, it: _Case, ctx: PrepareContext) -> None:
     res.candidate, res.candidate_digest = str(cand), digest
     res.daemon_digest = cache.source_digest
     res.expect = expected_outcome(res.candidate_digest, res.daemon_digest, it.mismatched_fields)
+    res.weights_equal = res.candidate_digest == res.daemon_digest  # observed, not the catalogue's
     if res.expect != case.expect:
         res.notes.append(f"the catalogue reads this case as a {case.expect}; the digests and keys "
                          f"require a {res.expect}")
