@@ -111,6 +111,8 @@ class EngineResult:
     timed_out: bool = False
     vllm_version: str | None = None
     resolved_dtype: str | None = None
+    # The content digest of the checkpoint as the machine that ran the engine saw it.
+    weights_digest: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
