@@ -46,6 +46,7 @@ from harness.targets.digests import Digests
 from harness.targets.judge import judge_served
 from harness.verdict import NOT_RUN, expected_outcome
 from pgbase.errors import PreloadGateError
+from preload.identity.config import config_digest
 
 
 @dataclass
@@ -237,6 +238,9 @@ def _candidate(plan: RunPlan, it: _Case, ctx: PrepareContext) -> None:
     it.candidate = cand
     res.candidate, res.candidate_digest = str(cand), digest
     res.daemon_digest = cache.source_digest
+    if case.holds_base and config_digest(cand) != config_digest(it.source):
+        # The engine's key holds the candidate's config.json, the daemon's the base's: observed, a miss.
+        it.mismatched_fields = (*it.mismatched_fields, "config_digest")
     res.expect = expected_outcome(res.candidate_digest, res.daemon_digest, it.mismatched_fields)
     res.weights_equal = res.candidate_digest == res.daemon_digest  # observed, not the catalogue's
     if res.expect != case.expect:

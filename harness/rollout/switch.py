@@ -110,7 +110,7 @@ def switch(driver: ReplicaDriver, record: ReplicaRecord, target: Target, golden:
     ``target`` by a run that died meanwhile; wait for it instead of
     restarting it (``record.events_seen`` holds the count before its start).
     """
-    res = SwitchResult(record.index, target.label, target.key, ok=False, started_at=time.time())
+    res = SwitchResult(record.index, target.label, target.handle or target.key, ok=False, started_at=time.time())
     t0 = time.monotonic()
     try:
         if not adopt:
@@ -118,7 +118,7 @@ def switch(driver: ReplicaDriver, record: ReplicaRecord, target: Target, golden:
             record.started_onto = None
             saved()
             driver.restart(record, target, saved)
-            record.started_onto = target.key
+            record.started_onto = target.handle or target.key
             saved()
         res.seconds["restart"] = round(time.monotonic() - t0, 3)
         t1 = time.monotonic()

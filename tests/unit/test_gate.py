@@ -378,3 +378,21 @@ def test_control_the_catalogue_default_blocks_the_identical_re_promotion(tiny_ck
     same = _judged_switch(_copy_of(tiny_ckpt, tmp_path / "copy"), tiny_ckpt, tmp_path, "same")
     assert same.status == BLOCK and same.verdict.reasons == ["wrong_hit"], same.verdict
     assert "settings differ on content_digest" in " ".join(same.verdict.details)
+
+
+def test_a_config_only_switch_requires_a_miss_observed_from_config_json(tiny_ckpt, tmp_path, monkeypatch):
+    """`gate B --base A`, B = A's weights with another config.json: the engine's key
+    holds B's config, the daemon's A's: a miss is required (observed, not named).
+    Control: the byte-identical copy requires a hit."""
+    import json as _json
+
+    monkeypatch.setattr("harness.gate.fingerprints.HEADER_IMPL", "reimpl")
+    cfg = _copy_of(tiny_ckpt, tmp_path / "cfg")
+    body = _json.loads((cfg / "config.json").read_text())
+    body["rope_theta"] = float(body.get("rope_theta") or 10000.0) * 4
+    (cfg / "config.json").write_text(_json.dumps(body))
+    changed = _judged_switch(cfg, tiny_ckpt, tmp_path, "cfg")
+    assert changed.expect == "miss" and changed.weights_equal is True
+    assert changed.status == BLOCK and changed.verdict.reasons == ["wrong_hit"]  # its stand-in engine hit
+    same = _judged_switch(_copy_of(tiny_ckpt, tmp_path / "copy"), tiny_ckpt, tmp_path, "same")
+    assert same.expect == "hit" and same.status == PASS

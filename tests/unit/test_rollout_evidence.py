@@ -212,7 +212,11 @@ def _flow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocked: bool):
         out = write_gate(tmp_path / "run", digest=D)
         doc = json.loads((out / "report.json").read_text())
         (Path(opts.report_dir)).mkdir(parents=True, exist_ok=True)
-        (Path(opts.report_dir) / "golden.json").write_bytes((out / "golden.json").read_bytes())
+        g = json.loads((out / "golden.json").read_text())
+        # Recorded from B as it is (no config.json, no answer files): the rollout checks it fits B.
+        g.update(config_digest=None, answer_files={})
+        (Path(opts.report_dir) / "golden.json").write_text(json.dumps(g))
+        doc["golden"]["sha256"] = hashlib.sha256((Path(opts.report_dir) / "golden.json").read_bytes()).hexdigest()
         doc["golden"]["path"] = str(Path(opts.report_dir) / "golden.json")
         if blocked:
             doc.update(verdict="BLOCK", exit_code=1)
@@ -232,7 +236,10 @@ def test_without_a_report_the_gate_runs_here_and_its_report_is_bound(tmp_path: P
     flow = _flow(tmp_path, monkeypatch, blocked=False)
     flow._prepare_dirs()
     seq = flow.sequence(flow.plan(), str(tmp_path / "sock"))
-    assert seq[1].golden == str(tmp_path / "state" / f"gate-{D[:16]}" / "golden.json")
+    from harness.rollout.identity import identity
+
+    key = identity(D, tmp_path / "B")  # the gate's report dir is named by B's identity
+    assert seq[1].golden == str(tmp_path / "state" / f"gate-{key[:16]}" / "golden.json")
     assert flow.evidence and flow.evidence[0]["digest"] == D
 
 
