@@ -99,14 +99,9 @@ class Rollout:
 
     def target(self, c: Checkpoint, resident: bool = True) -> Target:
         i = self.state.sequence.index(c)
-        return Target(c.path, c.ask, label_of(i), self._root(c),
+        return Target(c.path, c.ask, label_of(i), c.root(self.opts.socket_root),
                       unsafe_identity=self.opts.unsafe_identity if i > 0 else None, fallback=not resident,
                       handle=c.key)
-
-    def _root(self, c: Checkpoint) -> str:
-        """Where ``c``'s daemon lives: the rollout's socket root, or the one its
-        checkpoint was given (a second checkpoint of the same weights)."""
-        return c.socket_root or self.opts.socket_root
 
     def _record(self, res: SwitchResult) -> None:
         self.state.switches.append(res.to_json())
@@ -124,7 +119,7 @@ class Rollout:
         # "Resident" is a daemon of c's digest whose key is the one the
         # replicas will ask for (its config, dtype, TP), never the digest alone.
         fits = (lambda key: key_mismatch(key, c.config_digest, self.opts.settings)) if c.key != c.ask else None
-        found = find_daemon(c.ask, self._root(c), fits, roots=[self.opts.socket_root])
+        found = find_daemon(c.ask, c.root(self.opts.socket_root), fits, roots=[self.opts.socket_root])
         if d is not None:
             if found is not None:
                 return True
@@ -133,7 +128,7 @@ class Rollout:
         if found is None:
             return False
         found.key = c.key
-        if found.socket_root != os.path.abspath(self._root(c)):
+        if found.socket_root != os.path.abspath(c.root(self.opts.socket_root)):
             c.socket_root = found.socket_root
         self.state.daemons.append(found)
         self.note("resident", f"{self.state.label(c.key)} is resident (daemon pid {found.pid}, "
@@ -146,10 +141,10 @@ class Rollout:
 
     def _start(self, c: Checkpoint) -> None:
         label = self.state.label(c.key)
-        self.note("preload", f"starting the daemon for {label} ({c.path}, {c.key[:16]})")
+        self.note("preload", f"starting the daemon for {label} ({c.path}, {c.ask[:16]})")
         i = self.state.sequence.index(c)
-        os.makedirs(self._root(c), mode=0o700, exist_ok=True)
-        d = start_daemon(DaemonStart(c.path, c.ask, self._root(c), self.opts.settings,
+        os.makedirs(c.root(self.opts.socket_root), mode=0o700, exist_ok=True)
+        d = start_daemon(DaemonStart(c.path, c.ask, c.root(self.opts.socket_root), self.opts.settings,
                                      self.opts.state_path.parent / f"daemon-{c.key[:16]}.log",
                                      unsafe_identity=self.opts.unsafe_identity if i > 0 else None))
         d.key = c.key
@@ -400,7 +395,7 @@ class Rollout:
             return 1
         while True:
             src, dst = s.sequence[s.step - 1], s.sequence[s.step]
-            self.note("step", f"{s.label(src.key)} -> {s.label(dst.key)}: {dst.path} ({dst.key[:16]})")
+            self.note("step", f"{s.label(src.key)} -> {s.label(dst.key)}: {dst.path} ({dst.ask[:16]})")
             src_resident = self.make_resident(src, dst)
             for r in s.replicas:
                 if r.serving == dst.key:

@@ -92,6 +92,10 @@ class Checkpoint:
         self.ask = self.ask or self.digest
         self.key = self.key or self.ask
 
+    def root(self, default: str) -> str:
+        """Where its daemon lives: its own ``socket_root``, else the rollout's ``default``."""
+        return self.socket_root or default
+
 
 @dataclass
 class ReplicaRecord:
