@@ -121,7 +121,10 @@ class Flow:
 
         if report is None:
             report = self._gate(path, prev, plan, label, key)
-        ev = verify_gate_report(report, digest, plan.settings, golden=given)
+        from preload.identity.config import config_digest
+
+        ev = verify_gate_report(report, digest, plan.settings, golden=given,
+                                base_config_differs=config_digest(prev) != config_digest(path))
         # The golden answers for this config and these answer files, not only these weights.
         check_golden(str(ev.golden), digest, path, plan.settings, label)
         self.evidence.append(ev.to_json())

@@ -250,3 +250,26 @@ def test_a_gate_that_blocks_here_ends_the_rollout_with_exit_1(tmp_path: Path, mo
     flow._prepare_dirs()
     with pytest.raises(GateBlockedError, match="the gate BLOCKED B"):
         flow.sequence(flow.plan(), str(tmp_path / "sock"))
+
+
+def _config_only_report(tmp_path: Path) -> Path:
+    """The gate of B --base A where B is A's weights with another config.json: the
+    switch case's daemon holds the same digest; its engine missed on config_digest."""
+    out = write_gate(tmp_path)
+    doc = json.loads((out / "report.json").read_text())
+    switch = next(c for c in doc["cases"] if c["name"] == "switch_from_base")
+    switch["daemon_digest"] = D
+    for e in switch["cached"]["events"]:
+        e.update(reason="key mismatch on fields: config_digest", fields=["config_digest"], daemon_digest=D)
+    (out / "report.json").write_text(json.dumps(doc))
+    return out
+
+
+def test_a_config_only_gate_report_is_judged_with_the_config_the_rollout_saw(tmp_path: Path) -> None:
+    """Issue 37: the re-judgement observes config.json as the gate does: a miss
+    on the base's daemon is right when the configs differ. Control: judged on
+    the weights digest alone, the same report is refused (a hit 'required')."""
+    out = _config_only_report(tmp_path)
+    assert verify_gate_report(out, D, SETTINGS, base_config_differs=True).digest == D
+    with pytest.raises(ReportRefusedError, match="unexpected_miss"):
+        verify_gate_report(out, D, SETTINGS)
