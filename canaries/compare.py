@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from canaries.golden import GoldenPrompt
 
@@ -93,6 +93,11 @@ class NearTie:
     expected_id: int
     got_id: int
     gap: float
+    # The golden itself recorded the two as tied: their gap is within one step
+    # of the golden's own arithmetic (:func:`recording_grain`). Such a swap is
+    # what the golden foresaw, not evidence against the weights, and is not
+    # counted against a near-tie budget.
+    recorded: bool = False
 
     @property
     def compared(self) -> int:
@@ -283,11 +288,38 @@ def _compare_top(
     return max_delta
 
 
+def recording_grain(golden_prompts: Sequence[GoldenPrompt]) -> float:
+    """The step of the golden's own arithmetic: the smallest non-zero
+    difference between two logprobs it recorded at one position, where that
+    is a power of two (logits in bf16 or fp16 differ by whole steps of their
+    format: 2**-7 nats for logits between 1 and 2 in bf16); 0.0 otherwise
+    (a float32 golden: only equal logprobs are a tie it recorded).
+
+    Two tokens the golden recorded no more than one step apart are tied by
+    its own numbers: which one greedy picks is the kernels' order, not the
+    weights.
+
+    >>> recording_grain([GoldenPrompt("p", [1], [5], "", [-0.5], [{"5": -0.5, "6": -0.5078125, "7": -1.0}])])
+    0.0078125
+    >>> recording_grain([GoldenPrompt("p", [1], [5], "", [-0.5], [{"5": -0.5, "6": -0.5001, "7": -1.0}])])
+    0.0
+    """
+    steps = [abs(a - b) for g in golden_prompts for top in g.top_logprobs
+             for a in map(_clamp, top.values()) for b in map(_clamp, top.values()) if a != b]
+    step = min((x for x in steps if x > 0 and math.isfinite(x)), default=0.0)
+    if step <= 0:
+        return 0.0
+    exponent = math.log2(step)
+    return step if abs(exponent - round(exponent)) < 1e-3 else 0.0
+
+
 def compare_answers(
     golden_prompts: Sequence[GoldenPrompt], answers: Sequence[Answer], tolerance: float, top_k: int = 0
 ) -> Comparison:
     """All prompts of one replica: the first difference in prompt order (over
-    any gap, in any prompt), else the first gap, and the largest drift."""
+    any gap, in any prompt), else the first gap, and the largest drift.
+    Each near-tie says whether the golden recorded it as a tie
+    (``NearTie.recorded``: its gap within :func:`recording_grain`)."""
     if len(answers) != len(golden_prompts):
         raise ValueError(f"{len(answers)} answers for {len(golden_prompts)} prompts")
     max_delta = 0.0
@@ -300,4 +332,7 @@ def compare_answers(
         max_delta = max(max_delta, c.max_delta)
         ties.extend(c.near_ties)
         gap = gap or c.gap
+    if ties:
+        grain = recording_grain(golden_prompts)
+        ties = [replace(t, recorded=t.gap <= grain) for t in ties]
     return Comparison(None, max_delta, tuple(ties), gap)

@@ -192,7 +192,8 @@ class Replica:
         if comparison.ok and comparison.near_ties:
             ties = [asdict(t) for t in comparison.near_ties]
             where = ", ".join(f"prompt {t.prompt_index} position {t.position} ({t.expected_id}<->{t.got_id}, "
-                              f"gap {t.gap:.2g})" for t in comparison.near_ties)
+                              f"gap {t.gap:.2g}" + (", a tie the golden recorded" if t.recorded else "") + ")"
+                              for t in comparison.near_ties)
             return ReplicaResult(
                 self.base_url, True, "near_tie",
                 f"near-tie, not a weights difference: the golden recorded both tokens within the tolerance "

@@ -130,6 +130,8 @@ class EngineResult:
     resolved_dtype: str | None = None
     # What vLLM's own log said of the start (:func:`vllm_start_figures`).
     vllm_figures: dict[str, float] = field(default_factory=dict)
+    # The content digest of the checkpoint as the machine that ran the engine saw it.
+    weights_digest: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -164,10 +164,10 @@ class FakeDriver:
         if how in ("ok", "wrong", "ties"):
             self._event(record, outcome="hit", digest=target.key, daemon_digest=target.key, source="daemon")
             if how == "wrong":
-                other = next(g for k, g in self.goldens.items() if k != target.key)
+                other = next(g for k, g in self.goldens.items() if k != (target.handle or target.key))
                 fake.serving = other
             else:
-                fake.serving = self.goldens[target.key]
+                fake.serving = self.goldens[target.handle or target.key]
                 fake.tie_flip = how == "ties"
         elif how == "miss":
             self._event(record, outcome="miss", reason="no daemon for this digest", digest=target.key, source="none")
@@ -176,9 +176,9 @@ class FakeDriver:
             self.gone.add(record.index)
         elif how == "wrong_event":
             self._event(record, outcome="hit", digest="c" * 64, daemon_digest="c" * 64, source="daemon")
-            fake.serving = self.goldens[target.key]
+            fake.serving = self.goldens[target.handle or target.key]
         elif how == "no_event":
-            fake.serving = self.goldens[target.key]
+            fake.serving = self.goldens[target.handle or target.key]
 
     def alive(self, record: ReplicaRecord) -> bool | None:
         return record.index not in self.gone
@@ -208,20 +208,30 @@ class FakeDaemons:
         monkeypatch.setattr(runner, "resident_estimate", lambda path, settings: self.sizes.get(str(path), 100))
         monkeypatch.setattr(runner, "socket_dir_gone", lambda d: d.digest not in self.live)
 
-    def find(self, key: str, root: Any) -> DaemonRecord | None:
-        d = self.live.get(key)
-        return None if d is None else DaemonRecord(**{**d.__dict__, "started_here": False})
+    base_root: str = ""  # daemons under another root are kept as "digest@root"
+
+    def _name(self, digest: str, root: str) -> str:
+        return digest if not self.base_root or root == self.base_root else f"{digest}@{root}"
+
+    def find(self, key: str, root: Any, fits: Any = None, roots: Any = ()) -> DaemonRecord | None:
+        for r in (str(root), *map(str, roots)):
+            d = self.live.get(self._name(key, r)) if self.base_root else self.live.get(key)
+            if d is not None and (fits is None or not fits(getattr(d, "fake_key", {}))):
+                return DaemonRecord(**{**d.__dict__, "started_here": False})
+        return None
 
     def start(self, req: Any, timeout_s: float = 0.0) -> DaemonRecord:
         d = DaemonRecord(req.key, req.checkpoint, 5000 + len(self.started), 1, str(req.socket_root), True,
                          self.sizes.get(req.checkpoint, 100))
-        self.live[req.key] = d
-        self.started.append(req.key)
+        name = self._name(req.key, str(req.socket_root))
+        self.live[name] = d
+        self.started.append(name)
         return d
 
     def release(self, d: DaemonRecord, timeout_s: float = 0.0) -> bool:
-        self.live.pop(d.digest, None)
-        self.released.append(d.digest)
+        name = self._name(d.digest, d.socket_root)
+        self.live.pop(name, None)
+        self.released.append(name)
         return True
 
 

@@ -83,6 +83,7 @@ def promotion_case(opts: GateOptions) -> GateCase:
 def switch_case(opts: GateOptions) -> GateCase:
     """The candidate while a daemon still holds the base (``gate CAND --base BASE``)."""
     d = gate_settings(opts)
-    return DeploymentCase("switch_from_base", "the candidate while a daemon still holds the base",
+    return DeploymentCase("switch_from_base", "the candidate while a daemon still holds the base: a miss, "
+                          "or a hit where the base is the same content (a re-promotion)",
                           recipe=None, weights_equal=False, expected_fields=("content_digest",),
                           settings=_engine_settings(d), deployment=d, holds_base=True)

@@ -49,9 +49,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.engine import EngineResult, EngineSpec, run_engine
+from harness.engine import EngineResult, EngineSpec
 from harness.gate.options import GateSetupError
-from harness.gate.schedule import EngineJob, Outcome
+from harness.gate.schedule import EngineJob, Outcome, plain_error, run_seen
 from harness.mutations import EngineSettings
 from harness.targets.base import CacheTarget, PrepareContext, PreparedCache
 from pgbase import atomic
@@ -151,7 +151,7 @@ def _engine_task(spec_json: dict[str, Any], workdir: str, timeout_s: float, work
     import ray
 
     spec = EngineSpec(**{**spec_json, "prompts": tuple(spec_json["prompts"])})
-    result = run_engine(spec, workdir, timeout_s=timeout_s, worker=worker)
+    result = run_seen(spec, workdir, timeout_s, worker)  # with the digest of what this node sees
     try:
         log = (Path(workdir) / "engine.log").read_text(encoding="utf-8", errors="replace")[-LOG_BYTES:]
     except OSError:
@@ -254,7 +254,7 @@ class RayExecutor:
                     self.ray.init(address=self.address, log_to_driver=False)
                 except Exception as exc:  # reachable, yet no cluster answered there (or it refused us)
                     raise GateSetupError(
-                        f"{self._label}: Ray could not connect ({_why(exc)}); on the head node run `ray status` "
+                        f"{self._label}: Ray could not connect ({plain_error(exc)}); on the head node run `ray status` "
                         "and check this is its GCS port (default 6379) or Ray Client port (ray://HOST:10001)"
                     ) from None
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -326,7 +326,7 @@ class RayExecutor:
             try:
                 got = self.ray.get(ref, timeout=ctx.engine_timeout_s + self.place_timeout_s)
             except Exception as exc:  # a node whose daemon did not start holds no cache
-                errors.append(f"node {n['NodeID'][:12]}: {_why(exc)}")
+                errors.append(f"node {n['NodeID'][:12]}: {plain_error(exc)}")
                 self.ray.kill(host)
                 continue
             caches.append(PreparedCache(settings, Path(got["location"]), got["source_digest"], info=got["info"],
@@ -383,7 +383,7 @@ class RayExecutor:
             self.ray.cancel(ref, force=True)
             why = f"node {node[:12]}: the run did not finish in {deadline:.0f} s"
         except Exception as exc:  # the node or the worker died under the engine
-            why = f"node {node[:12]}: {_why(exc)}"
+            why = f"node {node[:12]}: {plain_error(exc)}"
         else:
             result = EngineResult.from_json(got["result"])
             attempts.append({"node": got["node"], "placed_on": node, "started": True, "ok": result.ok,
@@ -471,11 +471,6 @@ def _keep_log(workdir: Path, text: str) -> None:
 
 def _have(node: dict[str, Any], want: dict[str, float]) -> dict[str, float]:
     return {k: node.get("Resources", {}).get(k, 0) for k in want}
-
-
-def _why(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
 def _settings_json(s: EngineSettings) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from harness.targets.digests import Digests
 from harness.targets.judge import judge_served
 from harness.verdict import NOT_RUN, expected_outcome
 from pgbase.errors import PreloadGateError
+from preload.identity.config import config_digest
 
 
 @dataclass
@@ -237,7 +238,11 @@ def _candidate(plan: RunPlan, it: _Case, ctx: PrepareContext) -> None:
     it.candidate = cand
     res.candidate, res.candidate_digest = str(cand), digest
     res.daemon_digest = cache.source_digest
+    if case.holds_base and config_digest(cand) != config_digest(it.source):
+        # The engine's key holds the candidate's config.json, the daemon's the base's: observed, a miss.
+        it.mismatched_fields = (*it.mismatched_fields, "config_digest")
     res.expect = expected_outcome(res.candidate_digest, res.daemon_digest, it.mismatched_fields)
+    res.weights_equal = res.candidate_digest == res.daemon_digest  # observed, not the catalogue's
     if res.expect != case.expect:
         res.notes.append(f"the catalogue reads this case as a {case.expect}; the digests and keys "
                          f"require a {res.expect}")
@@ -314,9 +319,42 @@ def _attach(it: _Case, cached: Outcome, ref_out: Outcome | None, ref: EngineResu
                        "(it reads the same cache files whatever the candidate)")
 
 
+def _contradiction(plan: RunPlan, it: _Case) -> str:
+    """What the case's observations say against each other ("" where nothing):
+    an engine given the candidate's path that saw other content there (its
+    ``weights_digest``, taken where it ran), or a node's daemon holding other
+    content than the driver's digest of its source. Such a case judged nothing
+    about the candidate: NOT_RUN, naming the node, the path and both digests."""
+    r = it.result
+    assert r.reference is not None and r.cached is not None and it.caches and it.source is not None
+    assert it.reference_spec is not None and it.cached_spec is not None
+    found = []
+    for what, result, path in (("cached", r.cached, it.cached_spec.checkpoint),
+                               ("reference", r.reference, it.reference_spec.checkpoint)):
+        node = (r.placement.get(what) or {}).get("node")
+        where = f"node {node}" if node else "this machine"
+        if path == str(it.candidate) and result.weights_digest and result.weights_digest != r.candidate_digest:
+            found.append(f"the {what} engine on {where} saw other content at {path}: digest {result.weights_digest}, "
+                          f"the promoted candidate's is {r.candidate_digest}")
+    node = (r.placement.get("cached") or {}).get("node")
+    cache = next((c for c in it.caches if c.node is not None and c.node == node), None)
+    if cache is not None:  # a daemon a node prepared from its own view of the source
+        r.daemon_digest = cache.source_digest
+        driver = plan.digests.of(it.source)
+        if cache.source_digest != driver:
+            found.append(f"the daemon on node {node} holds {cache.source_digest} from {it.source}, where this "
+                         f"run's digest of {it.source} is {driver}")
+    return "; ".join(found)
+
+
 def _judge(plan: RunPlan, it: _Case) -> None:
     r, target = it.result, plan.target
     assert r.reference is not None and r.cached is not None and it.candidate is not None and it.caches
+    contradiction = _contradiction(plan, it)
+    if contradiction:
+        _not_run(r, f"contradicting observations: {contradiction}")
+        plan.ctx.note("verdict", f"{target.name} {r.name}: {NOT_RUN} {contradiction}")
+        return
     log = _log_text(plan.ctx.workdir / "engines" / f"cached-{it.log_label}" / "engine.log")
     served = target.served(it.caches[0], it.case, it.candidate, r.candidate_digest, r.cached, log)
     r.cached.events = served.events or r.cached.events

@@ -21,6 +21,7 @@ case it belongs to is NOT_RUN with that reason, never judged.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,8 +34,28 @@ from harness.engine import CorePool, EngineResult, EngineSpec, run_engine
 from harness.gate.references import ReferenceCache
 from harness.mutations import EngineSettings
 from harness.targets.base import CacheTarget, PrepareContext, PreparedCache
+from harness.targets.digests import seen_digest
 
 Note = Callable[[str, str], None]
+# A terminal's colour and cursor sequences (CSI ... final byte), as Ray prints its task errors.
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]")
+
+
+def plain_error(exc: BaseException, limit: int = 300) -> str:
+    """One line a report can hold for an error raised where an engine or a
+    cache ran: ``Type: message``, terminal escapes removed. An error raised
+    on a Ray node arrives wrapped (``RayTaskError``, whose first line is a
+    coloured ``ray::Task()`` header): its cause, the node's own exception,
+    is what it says.
+
+    >>> plain_error(RuntimeError("\x1b[36mray::f()\x1b[39m boom"))
+    'RuntimeError: ray::f() boom'
+    """
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and cause is not exc:
+        exc = cause
+    lines = [ln.strip() for ln in _ESCAPES.sub("", str(exc)).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:limit]
 
 
 @dataclass
@@ -100,6 +121,18 @@ class Executor(Protocol):
         """The executor in the report: its kind and where it ran."""
 
 
+def run_seen(spec: EngineSpec, workdir: Path | str, timeout_s: float, worker: str) -> EngineResult:
+    """Run one engine where this process runs, and say which content it was
+    given: the digest of ``spec.checkpoint`` as this machine sees it
+    (:func:`harness.targets.digests.seen_digest`), taken before the engine
+    opens it. The runner compares it with the promoted candidate's digest;
+    a machine that sees other files at the path never passes."""
+    seen = seen_digest(spec.checkpoint)
+    result = run_engine(spec, workdir, timeout_s=timeout_s, worker=worker)
+    result.weights_digest = seen
+    return result
+
+
 class LocalExecutor:
     """This machine: ``jobs`` engines at once, each single-rank engine bound to
     its own core when more than one runs (:class:`harness.engine.CorePool`)."""
@@ -117,7 +150,7 @@ class LocalExecutor:
 
     def run(self, job: EngineJob) -> Outcome:
         with self._cores.pinned(job.spec, job.env) as spec:
-            result = run_engine(spec, job.workdir, timeout_s=job.timeout_s, worker=job.worker)
+            result = run_seen(spec, job.workdir, job.timeout_s, job.worker)
         return Outcome(result, attempts=[{"node": None, "ok": result.ok, "seconds": result.timings.get("wall")}])
 
     def close(self, target: CacheTarget, caches: Sequence[PreparedCache]) -> None:

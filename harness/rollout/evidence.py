@@ -96,8 +96,10 @@ def _differs(a: DeploymentSettings, b: DeploymentSettings) -> str:
 
 
 def _rejudge(case: dict[str, Any], digest: str, settings: DeploymentSettings, tolerance: float,
-             path: Path) -> None:
-    """The case's verdict from its own evidence and OUR digest of the candidate."""
+             path: Path, key_fields: tuple[str, ...] = ()) -> None:
+    """The case's verdict from its own evidence and OUR digest of the candidate;
+    ``key_fields``: the key fields the rollout observed differ between the
+    case's daemon and its engine besides the digest (``config_digest``)."""
     name = case.get("name")
     daemon_digest = str(case.get("daemon_digest") or "")
     try:
@@ -109,9 +111,10 @@ def _rejudge(case: dict[str, Any], digest: str, settings: DeploymentSettings, to
     # Whether DP ranks number the daemon's ranks depends on MoE, which the
     # report does not record; for DP=1 both readings are the same.
     for is_moe in ((False, True) if settings.data_parallel_size > 1 else (False,)):
-        exp = Expectation(outcome=expected_outcome(digest, daemon_digest), candidate_digest=digest,
+        observed = (("content_digest",) if daemon_digest != digest else ()) + key_fields
+        exp = Expectation(outcome=expected_outcome(digest, daemon_digest, observed), candidate_digest=digest,
                           daemon_digest=daemon_digest, ranks=settings.tensor_parallel_size,
-                          expected_fields=("content_digest",) if daemon_digest != digest else (),
+                          expected_fields=observed,
                           dp_size=settings.data_parallel_size, is_moe=is_moe)
         verdicts.append(judge(exp, reference, cached, tolerance))
     if not any(v.status == PASS for v in verdicts):
@@ -211,11 +214,15 @@ def read_gate_report(where: str | os.PathLike[str]) -> tuple[Path, dict[str, Any
 
 
 def verify_gate_report(where: str | os.PathLike[str], digest: str, settings: DeploymentSettings,
-                       golden: str | os.PathLike[str] | None = None) -> GateEvidence:
+                       golden: str | os.PathLike[str] | None = None,
+                       base_config_differs: bool = False) -> GateEvidence:
     """Check the gate report at ``where`` (its directory or report.json) against
     ``digest`` (the candidate's content digest, computed by the caller) and
     the deployment ``settings``; ``golden``: a golden file the operator
-    names (it must be the report's). Returns the evidence, or raises
+    names (it must be the report's); ``base_config_differs``: the caller saw
+    the base's config.json differ from the candidate's (then the case run
+    against the base's daemon, ``switch_from_base``, requires a miss on
+    ``config_digest`` even with equal weights). Returns the evidence, or raises
     :class:`ReportRefusedError` naming the first binding that fails."""
     path, report = read_gate_report(where)
     tolerance = report["logprob_tolerance"]
@@ -232,7 +239,8 @@ def verify_gate_report(where: str | os.PathLike[str], digest: str, settings: Dep
                                 "gate the candidate with the deployment's engine arguments")
         if case.get("name") == "promotion" and case.get("daemon_digest") != digest:
             raise _refuse(path, f"its daemon held {str(case.get('daemon_digest'))[:16]}, not the candidate")
-        _rejudge(case, digest, settings, float(tolerance), path)
+        fields = ("config_digest",) if base_config_differs and case.get("name") == "switch_from_base" else ()
+        _rejudge(case, digest, settings, float(tolerance), path, fields)
     gpath, bound = _golden_path(report, path, golden)
     try:
         g = load_golden(gpath)

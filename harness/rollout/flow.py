@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from canaries.golden import Golden, load_golden
+from harness.rollout.identity import identity, what_differs
 from harness.rollout.plan import (
     Plan,
     PlanError,
@@ -104,7 +105,7 @@ class Flow:
 
     # -- digests and evidence (reads weights; may run engines) ----------------
 
-    def _golden_for(self, plan: Plan, i: int, path: str, digest: str, prev: str) -> str | None:
+    def _golden_for(self, plan: Plan, i: int, path: str, digest: str, prev: str, key: str) -> str | None:
         label = label_of(i)
         if i == 0:
             if plan.from_golden:
@@ -115,31 +116,43 @@ class Flow:
             if given:
                 check_golden(given, digest, path, plan.settings, label)
                 return given
-            return self._record(path, digest, plan, label)
+            return self._record(path, digest, plan, label, key)
         from harness.rollout.evidence import verify_gate_report
 
         if report is None:
-            report = self._gate(path, prev, digest, plan, label)
-        ev = verify_gate_report(report, digest, plan.settings, golden=given)
+            report = self._gate(path, prev, plan, label, key)
+        from preload.identity.config import config_digest
+
+        ev = verify_gate_report(report, digest, plan.settings, golden=given,
+                                base_config_differs=config_digest(prev) != config_digest(path))
+        # The golden answers for this config and these answer files, not only these weights.
+        check_golden(str(ev.golden), digest, path, plan.settings, label)
         self.evidence.append(ev.to_json())
         self.note("evidence", f"{label}: gate report {ev.report} binds to {digest[:16]}, the settings and its golden")
         return str(ev.golden)
 
-    def _record(self, path: str, digest: str, plan: Plan, label: str) -> str:
+    def _record(self, path: str, digest: str, plan: Plan, label: str, key: str) -> str:
+        """The golden recorded here for the checkpoint ``key`` (its identity: a
+        config-only change gets its own), reused only while it still fits."""
         from canaries.golden import record
+        from pgbase.errors import PreloadGateError
 
-        out = self.state_dir / f"golden-{digest[:16]}.json"
-        if out.exists() and load_golden(out).digest == digest:
-            return str(out)
+        out = self.state_dir / f"golden-{key[:16]}.json"
+        if out.exists():
+            try:
+                check_golden(str(out), digest, path, plan.settings, label)
+                return str(out)
+            except PreloadGateError:
+                pass  # another config, settings or answer files: recorded again
         self.note("golden", f"{label}: recording the golden from an auto engine on {path}")
         record(path, out, settings=plan.settings)
         return str(out)
 
-    def _gate(self, path: str, prev: str, digest: str, plan: Plan, label: str) -> str:
+    def _gate(self, path: str, prev: str, plan: Plan, label: str, key: str) -> str:
         from harness.gate import GateOptions, run_gate
         from harness.report import write_reports
 
-        out = self.state_dir / f"gate-{digest[:16]}"
+        out = self.state_dir / f"gate-{key[:16]}"
         self.note("gate", f"{label}: no --gate-report; running the promotion gate on {path} (base {prev})")
         report = run_gate(GateOptions(candidate=path, base=prev, settings=plan.settings, report_dir=str(out),
                                       progress=self.progress))
@@ -168,17 +181,33 @@ class Flow:
         return promote(path, socket_root=socket_root, progress=False).digest
 
     def sequence(self, plan: Plan, socket_root: str) -> list[Checkpoint]:
+        """Each checkpoint with its digest, identity and golden. A step onto the
+        same identity (weights, config.json, answer files) is refused before
+        any gate, golden or daemon: there is nothing to roll out."""
         from preload.identity.anchors import header_only_digest
+        from preload.identity.config import config_digest
 
         out: list[Checkpoint] = []
         paths = [plan.from_ckpt, *plan.to]
         for i, path in enumerate(paths):
             digest = self._digest(path, label_of(i), socket_root)
-            key = header_only_digest(path) if (self.args.unsafe_identity and i > 0) else digest
-            golden = self._golden_for(plan, i, path, digest, paths[i - 1] if i else "")
-            out.append(Checkpoint(path, digest, golden, key))
+            ask = header_only_digest(path) if (self.args.unsafe_identity and i > 0) else digest
+            key = identity(ask, path)
+            if i and key == out[-1].key:
+                raise PlanError(f"--to {path} is the same checkpoint as {label_of(i - 1)} ({out[-1].path}): the same "
+                                f"weights ({digest[:16]}), config.json and answer files; nothing to roll out, and "
+                                "nothing was changed (daemons and replicas are as they were)")
+            if i:
+                self.note("identity", f"{label_of(i)} differs from {label_of(i - 1)} in "
+                          + (", ".join(what_differs(paths[i - 1], path)) if ask == out[-1].ask else "its weights"))
+            # The socket directory is keyed by the digest: a second checkpoint of
+            # the same weights (another config) gets a daemon of its own elsewhere.
+            root = os.path.join(socket_root, f"id-{key[:12]}") if any(c.ask == ask for c in out) else ""
+            golden = self._golden_for(plan, i, path, digest, paths[i - 1] if i else "", key)
+            out.append(Checkpoint(path, digest, golden, key, ask=ask, config_digest=config_digest(path),
+                                  socket_root=root))
         if self.args.load_gen and out[0].golden is None:
-            out[0].golden = self._record(out[0].path, out[0].digest, plan, "A")
+            out[0].golden = self._record(out[0].path, out[0].digest, plan, "A", out[0].key)
         return out
 
     # -- the run ---------------------------------------------------------------

@@ -69,6 +69,8 @@ class Target:
     # On only where the checkpoint is not resident (--evict-first rolled its
     # daemon away): the loader then misses loudly and reads the disk.
     fallback: bool = False
+    # The checkpoint as the rollout's state names it (its identity; "": ``key``).
+    handle: str = ""
 
     def loader_config(self, events_file: str) -> dict[str, Any]:
         cfg: dict[str, Any] = {"socket_root": self.socket_root, "fallback": self.fallback, "identity": "pinned",

@@ -20,9 +20,10 @@ must fit the budget, else one line names the sizes and the two ways out.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from harness.rollout.state import DaemonRecord
 from pgbase.errors import PreloadGateError
@@ -108,18 +109,25 @@ def check_budget(new_label: str, new_bytes: int, resident: Sequence[tuple[str, i
     return line
 
 
-def find_daemon(key: str, socket_root: str | os.PathLike[str]) -> DaemonRecord | None:
-    """The live registered daemon serving ``key`` under ``socket_root`` whose rank 0 answers, or None."""
+def find_daemon(key: str, socket_root: str | os.PathLike[str],
+                fits: Callable[[dict[str, Any]], list[str]] | None = None,
+                roots: Sequence[str | os.PathLike[str]] = ()) -> DaemonRecord | None:
+    """The live registered daemon serving ``key`` (a digest) under
+    ``socket_root`` (or one of ``roots``) whose rank 0 answers, and whose key
+    ``fits`` (the fields it names that the replicas' key will not hold, from
+    :func:`harness.rollout.identity.key_mismatch`: a daemon of the same
+    weights under another config is not this checkpoint), or None."""
     from preload.daemon.health import rank_stats
     from preload.daemon.registry import live_entries
     from preload.sockets import socket_dir, socket_path
 
-    root = os.path.abspath(socket_root)
+    wanted = [os.path.abspath(r) for r in (socket_root, *roots)]
     for e in live_entries().entries:
-        if e.digest != key or os.path.abspath(e.socket_root) != root:
+        root = os.path.abspath(e.socket_root)
+        if e.digest != key or root not in wanted:
             continue
         stats = rank_stats(socket_path(socket_dir(key, root), 0))
-        if stats is None:
+        if stats is None or (fits is not None and fits(stats.get("key") or {})):
             continue
         return DaemonRecord(digest=key, checkpoint=str(stats.get("checkpoint") or ""), pid=e.pid,
                             start_ticks=e.start_ticks, socket_root=root, started_here=False,

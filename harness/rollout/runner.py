@@ -29,12 +29,14 @@ weights from anything but its own load events and answers.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from canaries.golden import Golden
+from harness.rollout.identity import key_mismatch
 from harness.rollout.metrics import RolloutMetrics
 from harness.rollout.replicas import ReplicaDriver, StartFailedError, Target, probe, wait_serving
 from harness.rollout.residency import (
@@ -97,8 +99,9 @@ class Rollout:
 
     def target(self, c: Checkpoint, resident: bool = True) -> Target:
         i = self.state.sequence.index(c)
-        return Target(c.path, c.key, label_of(i), self.opts.socket_root,
-                      unsafe_identity=self.opts.unsafe_identity if i > 0 else None, fallback=not resident)
+        return Target(c.path, c.ask, label_of(i), c.root(self.opts.socket_root),
+                      unsafe_identity=self.opts.unsafe_identity if i > 0 else None, fallback=not resident,
+                      handle=c.key)
 
     def _record(self, res: SwitchResult) -> None:
         self.state.switches.append(res.to_json())
@@ -113,7 +116,10 @@ class Rollout:
     def _resident(self, c: Checkpoint) -> bool:
         """Whether a daemon serves ``c``'s key now (a recorded one that is gone is marked released)."""
         d = self.state.daemon(c.key)
-        found = find_daemon(c.key, self.opts.socket_root)
+        # "Resident" is a daemon of c's digest whose key is the one the
+        # replicas will ask for (its config, dtype, TP), never the digest alone.
+        fits = (lambda key: key_mismatch(key, c.config_digest, self.opts.settings)) if c.key != c.ask else None
+        found = find_daemon(c.ask, c.root(self.opts.socket_root), fits, roots=[self.opts.socket_root])
         if d is not None:
             if found is not None:
                 return True
@@ -121,6 +127,9 @@ class Rollout:
             self.state.notes.append(f"{self.state.label(c.key)}'s daemon pid {d.pid} is gone")
         if found is None:
             return False
+        found.key = c.key
+        if found.socket_root != os.path.abspath(c.root(self.opts.socket_root)):
+            c.socket_root = found.socket_root
         self.state.daemons.append(found)
         self.note("resident", f"{self.state.label(c.key)} is resident (daemon pid {found.pid}, "
                               f"{found.resident_bytes} bytes)")
@@ -132,11 +141,13 @@ class Rollout:
 
     def _start(self, c: Checkpoint) -> None:
         label = self.state.label(c.key)
-        self.note("preload", f"starting the daemon for {label} ({c.path}, {c.key[:16]})")
+        self.note("preload", f"starting the daemon for {label} ({c.path}, {c.ask[:16]})")
         i = self.state.sequence.index(c)
-        d = start_daemon(DaemonStart(c.path, c.key, self.opts.socket_root, self.opts.settings,
+        os.makedirs(c.root(self.opts.socket_root), mode=0o700, exist_ok=True)
+        d = start_daemon(DaemonStart(c.path, c.ask, c.root(self.opts.socket_root), self.opts.settings,
                                      self.opts.state_path.parent / f"daemon-{c.key[:16]}.log",
                                      unsafe_identity=self.opts.unsafe_identity if i > 0 else None))
+        d.key = c.key
         self.state.daemons.append(d)
         self.note("preload", f"{label} resident: daemon pid {d.pid}, {d.resident_bytes} bytes")
         self.save()
@@ -159,8 +170,8 @@ class Rollout:
         self._ensure(src)
         serving = {r.serving for r in self.state.replicas}
         for d in list(self.state.daemons):  # rotation: at most two resident, the oldest goes first
-            if not d.released and d.digest not in (src.key, dst.key) and d.digest not in serving:
-                self._release(d.digest, "no replica serves it and at most two checkpoints stay resident")
+            if not d.released and d.key not in (src.key, dst.key) and d.key not in serving:
+                self._release(d.key, "no replica serves it and at most two checkpoints stay resident")
         if self._resident(dst):
             return True
         if self.opts.evict_first:
@@ -384,7 +395,7 @@ class Rollout:
             return 1
         while True:
             src, dst = s.sequence[s.step - 1], s.sequence[s.step]
-            self.note("step", f"{s.label(src.key)} -> {s.label(dst.key)}: {dst.path} ({dst.key[:16]})")
+            self.note("step", f"{s.label(src.key)} -> {s.label(dst.key)}: {dst.path} ({dst.ask[:16]})")
             src_resident = self.make_resident(src, dst)
             for r in s.replicas:
                 if r.serving == dst.key:

@@ -68,18 +68,33 @@ class RolloutLockedError(PreloadGateError):
 class Checkpoint:
     """One checkpoint of the sequence: its real path, content digest and golden file.
 
-    ``key`` is the digest replicas ask the daemon for and the state records
-    them serving: the content digest, except under the ``header_only``
-    negative control (vLLM's header hash).
+    ``key`` is what the state records replicas serving: the checkpoint's
+    identity, what decides its answers (:func:`harness.rollout.identity.identity`:
+    the weights digest, the config digest and the answer files, the rule the
+    golden keys by), so a config-only change is another checkpoint. ``ask``
+    is the digest replicas ask the daemon for: the content digest, except
+    under the ``header_only`` negative control (vLLM's header hash).
+    ``config_digest``: config.json's (what a daemon's key must hold for the
+    replicas to hit); ``socket_root``: where its daemon lives when not under
+    the rollout's own root (a second checkpoint of the same weights: the
+    socket directory is keyed by the digest, one daemon each).
     """
 
     path: str
     digest: str
     golden: str | None = None
     key: str = ""
+    ask: str = ""
+    config_digest: str | None = None
+    socket_root: str = ""
 
     def __post_init__(self) -> None:
-        self.key = self.key or self.digest
+        self.ask = self.ask or self.digest
+        self.key = self.key or self.ask
+
+    def root(self, default: str) -> str:
+        """Where its daemon lives: its own ``socket_root``, else the rollout's ``default``."""
+        return self.socket_root or default
 
 
 @dataclass
@@ -120,6 +135,10 @@ class DaemonRecord:
     started_here: bool
     resident_bytes: int = 0
     released: bool = False
+    key: str = ""  # the checkpoint (its identity, Checkpoint.key) it holds; "" in older files: the digest
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.digest
 
 
 @dataclass
@@ -166,8 +185,9 @@ class RolloutState:
                 return label_of(i)
         return key[:12]
 
-    def daemon(self, digest: str) -> DaemonRecord | None:
-        return next((d for d in self.daemons if d.digest == digest and not d.released), None)
+    def daemon(self, key: str) -> DaemonRecord | None:
+        """The live recorded daemon holding the checkpoint ``key`` (its identity)."""
+        return next((d for d in self.daemons if d.key == key and not d.released), None)
 
     def unknown(self) -> list[ReplicaRecord]:
         """Replicas whose weights the file cannot name (mid-switch when the rollout stopped)."""

@@ -29,6 +29,26 @@ from preload.identity.manifest import StaleManifestError, resolve_digest
 Note = Callable[[str, str], None]
 
 
+def seen_digest(path: str | os.PathLike[str]) -> str | None:
+    """The content digest of the weights at ``path`` as *this* machine sees
+    them: its manifest's where the stat check passes (the files are the
+    promoted ones), else hashed. A manifest written on another machine for
+    the same path fails the stat check there (other inode, device or times),
+    so a node that sees other files at the path reports their digest, never
+    the promotion's. None where ``path`` is no local checkpoint folder.
+    """
+    if not Path(path).is_dir():
+        return None
+    try:
+        return resolve_digest(path, mode="stat").digest
+    except PreloadGateError:  # no manifest, a stale or a foreign one: the bytes decide
+        pass
+    try:
+        return file_digest(path)
+    except (PreloadGateError, OSError):
+        return None
+
+
 class Digests:
     """Digests by real path for one run. ``socket_root``: where a promotion
     made here creates the digest's socket directory."""

@@ -47,6 +47,20 @@ def judge_output_only(reference: EngineResult, cached: EngineResult, served: Ser
     return v
 
 
+def observed_fields(candidate_digest: str, daemon_digest: str, key_fields: tuple[str, ...]) -> tuple[str, ...]:
+    """The key fields in which the engine's key differs from the daemon's, as
+    observed: ``content_digest`` when the two digests differ, then the fields
+    the product's key rule finds changed between the settings.
+
+    >>> observed_fields("a" * 64, "a" * 64, ())
+    ()
+    >>> observed_fields("a" * 64, "b" * 64, ("dtype",))
+    ('content_digest', 'dtype')
+    """
+    content = ("content_digest",) if candidate_digest != daemon_digest else ()
+    return content + tuple(f for f in key_fields if f != "content_digest")
+
+
 def judge_served(target: CacheTarget, case: GateCase, result: CaseResult, served: Served,
                  tolerance: float, mismatched_fields: tuple[str, ...] = (), is_moe: bool = False) -> Verdict:
     """The case's verdict. ``mismatched_fields``: the key fields the product's
@@ -58,8 +72,10 @@ def judge_served(target: CacheTarget, case: GateCase, result: CaseResult, served
         return judge_output_only(result.reference, result.cached, served, tolerance)
     # A target that records events and recorded none served without saying
     # so: judge() blocks that as silent_fallback, never judged on output alone.
-    # The required outcome follows from the digests and keys, never from the case's name.
-    fields = tuple(mismatched_fields) or case.expected_fields
+    # The required outcome follows from the digests and keys observed, never
+    # from the case's name or the catalogue's reading of it (issue 37: a
+    # switch onto a byte-identical copy of the base requires a hit).
+    fields = observed_fields(result.candidate_digest, result.daemon_digest, mismatched_fields)
     outcome = expected_outcome(result.candidate_digest, result.daemon_digest, fields)
     exp = Expectation(outcome=outcome, candidate_digest=result.candidate_digest,
                       daemon_digest=result.daemon_digest, ranks=case.settings.tensor_parallel_size,

@@ -313,3 +313,86 @@ def test_a_reference_being_computed_is_waited_for_not_computed_twice(tmp_path):
     unlocked._locked = lambda key, what: contextlib.nullcontext()  # type: ignore[method-assign]
     runs, out = _race_for_one_reference(unlocked)
     assert runs == -2 and [reused for _, reused in out] == [False, False]
+
+
+def _judged_switch(candidate, base, tmp_path, name: str, event_digest: str | None = None):
+    """``gate CANDIDATE --base BASE``'s switch case judged on stand-in answers: equal
+    tokens, and one load event, a hit on ``event_digest`` (default: the candidate's)."""
+    from gate_cases import prepare
+
+    from harness.gate import content_digest
+    from harness.gate.cases import switch_case
+    from harness.gate.runner import judge_case
+
+    sock = tmp_path / f"s-{name}"
+    sock.mkdir(mode=0o700)
+    opts = GateOptions(candidate=str(candidate), base=str(base))
+    plan, p = prepare(opts, switch_case(opts), content_digest(base), tmp_path / f"w-{name}", str(sock))
+    answers = {"token_ids": [[1, 2]], "logprobs": [[{"1": -0.1}, {"2": -0.2}]]}
+    digest = event_digest or p.result.candidate_digest
+    p.result.reference = EngineResult(ok=True, **answers)
+    p.result.cached = EngineResult(ok=True, **answers, events=[
+        {"outcome": "hit", "rank": 0, "digest": digest, "daemon_digest": p.result.daemon_digest}])
+    judge_case(plan, p)
+    return p.result
+
+
+def _copy_of(src, dst, flip_last_byte: bool = False):
+    import shutil
+
+    shutil.copytree(src, dst)
+    if flip_last_byte:  # one byte of the last tensor's data; the header is untouched
+        shard = sorted(dst.glob("*.safetensors"))[0]
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0x01
+        shard.write_bytes(bytes(data))
+    return dst
+
+
+def test_an_identical_re_promotion_passes_and_a_one_byte_change_blocks(tiny_ckpt, tmp_path, monkeypatch):
+    """`gate COPY --base A`, COPY a byte-identical copy of A at another path:
+    equal digests, equal keys, a hit, equal tokens: PASS, and the report says
+    the weights are equal (observed, whatever the catalogue row says). The
+    same with one byte changed, served as a hit on A: BLOCK wrong_hit."""
+    monkeypatch.setattr("harness.gate.fingerprints.HEADER_IMPL", "reimpl")
+    same = _judged_switch(_copy_of(tiny_ckpt, tmp_path / "copy"), tiny_ckpt, tmp_path, "same")
+    assert same.status == PASS, same.verdict
+    assert same.expect == "hit" and same.weights_equal is True
+    edited = _copy_of(tiny_ckpt, tmp_path / "edited", flip_last_byte=True)
+    from harness.gate import content_digest
+
+    base_digest = content_digest(tiny_ckpt)
+    changed = _judged_switch(edited, tiny_ckpt, tmp_path, "edited", event_digest=base_digest)
+    assert changed.status == BLOCK and changed.verdict.reasons == ["wrong_hit"], changed.verdict
+    assert changed.expect == "miss" and changed.weights_equal is False
+
+
+def test_control_the_catalogue_default_blocks_the_identical_re_promotion(tiny_ckpt, tmp_path, monkeypatch):
+    """Control: with the old rule (the case's catalogue fields when the key rule
+    finds none: ``content_digest`` for every switch case), the identical
+    re-promotion BLOCKs wrong_hit, as issue 37 found it."""
+    from harness.targets import judge as judge_mod
+
+    monkeypatch.setattr("harness.gate.fingerprints.HEADER_IMPL", "reimpl")
+    monkeypatch.setattr(judge_mod, "observed_fields", lambda c, d, fields: tuple(fields) or ("content_digest",))
+    same = _judged_switch(_copy_of(tiny_ckpt, tmp_path / "copy"), tiny_ckpt, tmp_path, "same")
+    assert same.status == BLOCK and same.verdict.reasons == ["wrong_hit"], same.verdict
+    assert "settings differ on content_digest" in " ".join(same.verdict.details)
+
+
+def test_a_config_only_switch_requires_a_miss_observed_from_config_json(tiny_ckpt, tmp_path, monkeypatch):
+    """`gate B --base A`, B = A's weights with another config.json: the engine's key
+    holds B's config, the daemon's A's: a miss is required (observed, not named).
+    Control: the byte-identical copy requires a hit."""
+    import json as _json
+
+    monkeypatch.setattr("harness.gate.fingerprints.HEADER_IMPL", "reimpl")
+    cfg = _copy_of(tiny_ckpt, tmp_path / "cfg")
+    body = _json.loads((cfg / "config.json").read_text())
+    body["rope_theta"] = float(body.get("rope_theta") or 10000.0) * 4
+    (cfg / "config.json").write_text(_json.dumps(body))
+    changed = _judged_switch(cfg, tiny_ckpt, tmp_path, "cfg")
+    assert changed.expect == "miss" and changed.weights_equal is True
+    assert changed.status == BLOCK and changed.verdict.reasons == ["wrong_hit"]  # its stand-in engine hit
+    same = _judged_switch(_copy_of(tiny_ckpt, tmp_path / "copy"), tiny_ckpt, tmp_path, "same")
+    assert same.expect == "hit" and same.status == PASS

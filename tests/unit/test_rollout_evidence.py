@@ -212,7 +212,11 @@ def _flow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocked: bool):
         out = write_gate(tmp_path / "run", digest=D)
         doc = json.loads((out / "report.json").read_text())
         (Path(opts.report_dir)).mkdir(parents=True, exist_ok=True)
-        (Path(opts.report_dir) / "golden.json").write_bytes((out / "golden.json").read_bytes())
+        g = json.loads((out / "golden.json").read_text())
+        # Recorded from B as it is (no config.json, no answer files): the rollout checks it fits B.
+        g.update(config_digest=None, answer_files={})
+        (Path(opts.report_dir) / "golden.json").write_text(json.dumps(g))
+        doc["golden"]["sha256"] = hashlib.sha256((Path(opts.report_dir) / "golden.json").read_bytes()).hexdigest()
         doc["golden"]["path"] = str(Path(opts.report_dir) / "golden.json")
         if blocked:
             doc.update(verdict="BLOCK", exit_code=1)
@@ -232,7 +236,10 @@ def test_without_a_report_the_gate_runs_here_and_its_report_is_bound(tmp_path: P
     flow = _flow(tmp_path, monkeypatch, blocked=False)
     flow._prepare_dirs()
     seq = flow.sequence(flow.plan(), str(tmp_path / "sock"))
-    assert seq[1].golden == str(tmp_path / "state" / f"gate-{D[:16]}" / "golden.json")
+    from harness.rollout.identity import identity
+
+    key = identity(D, tmp_path / "B")  # the gate's report dir is named by B's identity
+    assert seq[1].golden == str(tmp_path / "state" / f"gate-{key[:16]}" / "golden.json")
     assert flow.evidence and flow.evidence[0]["digest"] == D
 
 
@@ -243,3 +250,26 @@ def test_a_gate_that_blocks_here_ends_the_rollout_with_exit_1(tmp_path: Path, mo
     flow._prepare_dirs()
     with pytest.raises(GateBlockedError, match="the gate BLOCKED B"):
         flow.sequence(flow.plan(), str(tmp_path / "sock"))
+
+
+def _config_only_report(tmp_path: Path) -> Path:
+    """The gate of B --base A where B is A's weights with another config.json: the
+    switch case's daemon holds the same digest; its engine missed on config_digest."""
+    out = write_gate(tmp_path)
+    doc = json.loads((out / "report.json").read_text())
+    switch = next(c for c in doc["cases"] if c["name"] == "switch_from_base")
+    switch["daemon_digest"] = D
+    for e in switch["cached"]["events"]:
+        e.update(reason="key mismatch on fields: config_digest", fields=["config_digest"], daemon_digest=D)
+    (out / "report.json").write_text(json.dumps(doc))
+    return out
+
+
+def test_a_config_only_gate_report_is_judged_with_the_config_the_rollout_saw(tmp_path: Path) -> None:
+    """Issue 37: the re-judgement observes config.json as the gate does: a miss
+    on the base's daemon is right when the configs differ. Control: judged on
+    the weights digest alone, the same report is refused (a hit 'required')."""
+    out = _config_only_report(tmp_path)
+    assert verify_gate_report(out, D, SETTINGS, base_config_differs=True).digest == D
+    with pytest.raises(ReportRefusedError, match="unexpected_miss"):
+        verify_gate_report(out, D, SETTINGS)
