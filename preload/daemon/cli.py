@@ -180,7 +180,9 @@ def _stop(args: argparse.Namespace) -> int:
     if os.path.lexists(root) and not os.path.isdir(root):
         raise PreloadGateError(f"--socket-root {root} is not a directory; name the directory daemons were started "
                                "with (preload --socket-root DIR)")
-    report = stop.stop(target, root, timeout_s=float(args.timeout))
+    # --all says what it stops before it does (stderr: --json stays one document).
+    report = stop.stop(target, root, timeout_s=float(args.timeout),
+                       announce=lambda line: print(line, file=sys.stderr, flush=True))
     if args.json:
         print(msgspec.json.format(msgspec.json.encode(report), indent=2).decode())
     else:

@@ -469,7 +469,7 @@ def start_keeper(root: str | os.PathLike[str], idle_s: float | None = None) -> i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m preload.daemon.keeper",
+    p = argparse.ArgumentParser(prog="python -m preload.daemon.keeper", allow_abbrev=False,
                                 description="hold daemons' arena fds across their restarts (issue 26)")
     p.add_argument("--socket-root", required=True, help="the socket root whose daemons it serves")
     p.add_argument("--idle-s", type=float, default=IDLE_S, help="exit after holding nothing this long")

@@ -325,3 +325,80 @@ def test_control_a_gone_path_no_daemon_recorded_is_refused_with_what_to_run(worl
     assert f"no daemon's recorded checkpoint is {gone}" in err
     assert "run preload-gate status to see each daemon's digest and checkpoint" in err
     assert world["a"].alive() and world["b"].alive() and world["store"].drops == []
+
+
+def test_stop_all_says_what_it_will_stop_before_it_stops(world: dict, monkeypatch, capsys) -> None:
+    """Issue 39: a destructive verb says what it does first (stderr; --json stays one document),
+    and the line is said while every daemon still serves."""
+    from preload.daemon import stop as stop_mod
+
+    seen: list[tuple[str, bool, bool]] = []
+    real = stop_mod.plan_line
+
+    def plan_line(*a: Any) -> str:
+        line = real(*a)
+        seen.append((line, world["a"].alive(), world["b"].alive()))
+        return line
+
+    monkeypatch.setattr(stop_mod, "plan_line", plan_line)
+    rc = main(["stop", "--all", "--socket-root", str(world["root"]), "--timeout", "10", "--json"])
+    cap = capsys.readouterr()
+    assert rc == 0
+    json.loads(cap.out)  # stdout is still one JSON document
+    assert seen and seen[0][1] and seen[0][2]  # said before anything was signalled
+    named = ", ".join(sorted([A[:16], B[:16]]))
+    assert cap.err.splitlines()[0] == (
+        f"stop --all: stopping 2 daemon rank(s) and dropping 3 stored arena(s) (16384 bytes) under "
+        f"{world['root']}, digests: {named}; 0 stale socket(s) to remove")
+
+
+def test_control_a_named_target_is_not_announced(world: dict, capsys) -> None:
+    """The neighbour: stopping one digest stops it without the --all line."""
+    assert main(["stop", A, "--socket-root", str(world["root"]), "--timeout", "10"]) == 0
+    assert "stop --all" not in capsys.readouterr().err
+
+
+def _stale_socket(root: Path, digest: str) -> Path:
+    import socket as socket_mod
+
+    d = root / digest[:16]
+    d.mkdir(mode=0o700, parents=True)
+    path = d / "rank0.sock"
+    s = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
+    s.bind(str(path))
+    s.close()  # what a daemon killed -9 leaves: the file, nobody listening, the lock free
+    return path
+
+
+@pytest.mark.parametrize("remove", [True, False], ids=["fixed", "control_old_rule"])
+def test_a_stale_socket_is_removed_by_stop(tmp_path: Path, monkeypatch, capsys, remove: bool) -> None:
+    """Issue 39: after a kill -9, ``stop DIGEST`` removes the stale socket so status no
+    longer lists it; the control (the old rule: nothing removed) leaves it listed."""
+    from preload.daemon import stop as stop_mod
+
+    monkeypatch.setenv("PRELOAD_GATE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(fdstore, "open_store", lambda root, start=True: None)
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    sock = _stale_socket(root, A)
+    if not remove:
+        monkeypatch.setattr(stop_mod, "_remove_stale", lambda records: [])
+    assert main(["status", "--socket-root", str(root)]) == 0
+    assert f"{sock}: not answering and its lock is free (stale socket)" in capsys.readouterr().out
+    assert main(["stop", A[:16], "--socket-root", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert (f"removed stale socket {sock}" in out) is remove
+    main(["status", "--socket-root", str(root)])
+    listed = "stale socket" in capsys.readouterr().out
+    assert listed is not remove
+    assert sock.exists() is not remove and (sock.parent.exists() is not remove)
+
+
+def test_a_stale_socket_of_another_digest_is_kept(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("PRELOAD_GATE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(fdstore, "open_store", lambda root, start=True: None)
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    mine, other = _stale_socket(root, A), _stale_socket(root, B)
+    assert main(["stop", A, "--socket-root", str(root)]) == 0
+    assert not mine.exists() and other.exists()
