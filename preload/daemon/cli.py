@@ -84,6 +84,7 @@ def _options(args: argparse.Namespace) -> Any:
         expect_digest=args.expect_digest, unsafe_identity=args.unsafe_identity, engine=engine,
         health_port=args.health_port, health_host=args.health_host, master_port=args.master_port,
         exit_with_parent=args.exit_with_parent, fd_store=not args.no_fd_store, take_over=args.take_over,
+        orphan_ttl_s=args.orphan_ttl,
     )
 
 

@@ -20,8 +20,9 @@ from typing import Any
 
 from pgbase.errors import PreloadGateError
 from pgbase.oscause import file_limit, reason
+from preload.daemon import disk_reason
 from preload.daemon.adopt import Outcome, deposit, expected_key, try_adopt
-from preload.daemon.fdstore import FdStore, FdStoreError, open_store
+from preload.daemon.fdstore import FdStore, FdStoreError, keeper_state, open_store
 from preload.daemon.home import remove_if_empty
 from preload.daemon.lock import RankBusyError, RankLock
 from preload.daemon.parent import INTERVAL_S as PARENT_POLL_S
@@ -29,9 +30,10 @@ from preload.daemon.parent import ParentWatch
 from preload.daemon.server import RankServer
 from preload.daemon.settings import HANDED_OVER_EXIT
 from preload.daemon.stage import Filled, RankConfig, peak_rss_bytes, rss_bytes
+from preload.daemon.store_watch import StoreWatch
 from preload.identity.anchors import header_only_digest
 from preload.identity.manifest import load_manifest
-from preload.sockets import ensure_private_dir, socket_dir
+from preload.sockets import default_socket_root, ensure_private_dir, socket_dir
 from preload.transports import get_transport
 from preload.trust import UNSAFE_IDENTITIES, require_unsafe_controls
 
@@ -102,6 +104,8 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
     lock = None
     store: FdStore | None = None
     adopted: Outcome = Outcome()
+    why_disk: disk_reason.DiskReason | None = None
+    root = str(cfg.socket_root or default_socket_root())
     counts: dict[str, int] = {}
 
     def count(kind: str) -> None:
@@ -119,7 +123,7 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
         baseline = rss_bytes()
         # A running store only: nothing (no keeper, no socket) is started
         # for a checkpoint that may yet be refused; the deposit starts one.
-        store = _open_store(cfg, start=False)
+        store, store_state = _open_store(cfg, start=False)
         # Re-adoption (issue 26): the digest is known before the fill, and the
         # byte proof is ours (never under the unsafe header-only control).
         if store is not None and expected is not None and cfg.unsafe_identity is None:
@@ -127,6 +131,9 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
         if adopted.filled is not None:
             filled = adopted.filled
         else:
+            # Every read from disk says why (issue 39): ready line, event, log.
+            why_disk = disk_reason.explain(cfg, expected, root, store_state, adopted)
+            disk_reason.announce(why_disk, cfg, expected, adopted.record)
             filled = _fill(cfg, None if cfg.unsafe_identity else expected)
             count("loaded_from_disk")
         # A stage that imports heavy libraries measures its own baseline after them.
@@ -160,12 +167,20 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
             store.close()
         raise
     if store is None:
-        store = _open_store(cfg, start=True)
+        store, _state = _open_store(cfg, start=True)
+
+    def put(into: FdStore) -> bool:
+        return deposit(into, filled, cfg, server.daemon_id, server.checkpoint, adopted.record) is not None
+
     # Deposited before the ready line: a daemon killed right after it leaves its arena stored.
-    deposited = store is not None and deposit(store, filled, cfg, server.daemon_id, server.checkpoint,
-                                              adopted.record) is not None
+    deposited = store is not None and put(store)
+    watch: StoreWatch | None = None
     if store is not None and deposited:
-        server.on_release = lambda: _evict(store, filled.digest, cfg.global_rank, server)
+        # The store is watched (issue 39): a lost keeper is replaced and the arena re-deposited.
+        watch = StoreWatch(store, root, cfg.global_rank, f"{filled.digest[:16]} rank {cfg.global_rank}, "
+                           f"{filled.layout.total_bytes} bytes of {server.checkpoint}", put)
+        watch.start()
+        server.on_release = lambda: _evict(watch.current(), filled.digest, cfg.global_rank, server)
         server.on_hand_over = stop.set  # the loop below ends; handed_over keeps the arena stored
     clean = False
     try:
@@ -183,6 +198,7 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
                 "adopt_seconds": round(filled.adopt_seconds, 4),
                 "fd_store": store.name if store is not None and deposited else None,
                 "took_over_from": server.took_over_from,
+                "disk_reason": why_disk.to_json() if why_disk is not None else None,
             })
         while not stop.wait(PARENT_POLL_S):
             # Orphaned (the launcher was killed -9): stop (preload.daemon.parent).
@@ -194,6 +210,8 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
             # handed over: the successor adopts the stored arena.
             clean = not server.handed_over
     finally:
+        if watch is not None:
+            store = watch.stop()
         if store is not None:
             # A clean stop takes the arena out of the store; any other end
             # (the launcher gone, an error) leaves it there for a successor.
@@ -227,14 +245,50 @@ def _take_over(digest: str, cfg: RankConfig) -> dict[str, Any] | None:
                  cfg.global_rank, exc)
         return None
     try:
+        # The key first (issue 39): a successor that could not adopt must not make the old daemon let go.
+        _same_key_or_refuse(cfg, digest, client.stats())
         reply = client.hand_over("preload-gate take-over")
     except PreloadGateError as exc:
+        if isinstance(exc, TakeOverKeyError):
+            raise
         raise PreloadGateError(f"rank {cfg.global_rank}: --take-over refused: {exc}") from exc
     finally:
         client.close()
     log.warning("rank %d: --take-over: daemon %s (pid %s) hands its arena over", cfg.global_rank,
                 reply.get("daemon_id"), reply.get("pid"))
     return reply
+
+
+class TakeOverKeyError(PreloadGateError):
+    """``--take-over`` refused before asking: this successor would not adopt the running daemon's arena."""
+
+
+def _same_key_or_refuse(cfg: RankConfig, digest: str, stats: dict[str, Any]) -> None:
+    """Refuse (TakeOverKeyError, one line) unless this rank's key, computed
+    before any read, equals the running daemon's in every field: only then
+    does the successor adopt what it is handed; otherwise the old daemon
+    would stop and nothing would serve while the successor reads the disk."""
+    from preload.identity.key import WeightCacheKey
+
+    pid = stats.get("pid")
+    key = expected_key(cfg, digest, get_transport(cfg.transport))
+    if key is None:
+        raise TakeOverKeyError(
+            f"--take-over refused before asking daemon pid {pid} to hand over: the {cfg.stage} "
+            "stage's key is known only after reading the checkpoint, so this successor could not adopt the "
+            "arena; the old daemon keeps serving (stop it and start this one, or use --stage raw)")
+    try:
+        theirs = WeightCacheKey.from_json(stats.get("key") or {})
+    except ValueError as exc:
+        raise TakeOverKeyError(f"--take-over refused: daemon pid {pid} sent a key that does not "
+                               f"parse ({exc}); the old daemon keeps serving") from None
+    fields = key.mismatched_fields(theirs)
+    if fields:
+        shown = ", ".join(f"{f} (running {getattr(theirs, f)!r}, this one {getattr(key, f)!r})" for f in fields)
+        raise TakeOverKeyError(
+            f"--take-over refused: this daemon's key differs from the running one's (pid {pid}) in "
+            f"{shown}; it could not adopt the arena, so the old daemon keeps serving; stop it "
+            f"(preload-gate stop {digest[:16]}) and start this one to serve the new key")
 
 
 def _lock_after(digest: str, cfg: RankConfig) -> tuple[Path, RankLock]:
@@ -252,19 +306,23 @@ def _lock_after(digest: str, cfg: RankConfig) -> tuple[Path, RankLock]:
             time.sleep(0.05)
 
 
-def _open_store(cfg: RankConfig, start: bool) -> FdStore | None:
+def _open_store(cfg: RankConfig, start: bool) -> tuple[FdStore | None, str]:
     """The fd store of this rank's socket root (started when absent and
-    ``start``), None with ``--no-fd-store``, when none runs and not ``start``,
-    or when it cannot be used (logged: the rank then serves as before, and a
-    crash means a reload)."""
+    ``start``) and "" ; or None with why: ``--no-fd-store``, the keeper's
+    state when none runs and not ``start`` (``absent``/``unreachable``), or
+    the error when it cannot be used (logged: the rank then serves as before,
+    and a crash means a reload)."""
     if not cfg.fd_store:
-        return None
+        return None, "disabled"
     try:
-        return open_store(cfg.socket_root, start=start)
+        store = open_store(cfg.socket_root, start=start)
     except FdStoreError as exc:
         log.warning("rank %d: no fd store (%s); serving without one: a crash of this daemon means a reload",
                     cfg.global_rank, exc)
-        return None
+        return None, str(exc)
+    if store is None:
+        return None, keeper_state(cfg.socket_root or default_socket_root())
+    return store, ""
 
 
 def _adopt(cfg: RankConfig, digest: str, store: FdStore, count: Any) -> Outcome:
@@ -273,18 +331,21 @@ def _adopt(cfg: RankConfig, digest: str, store: FdStore, count: Any) -> Outcome:
         key = expected_key(cfg, digest, transport)
     except (PreloadGateError, OSError, ValueError) as exc:
         log.info("rank %d: no key before the fill (%s); not adopting", cfg.global_rank, exc)
-        return Outcome()
+        return Outcome(kind="key_unknown", why=f"no key before the fill: {exc}")
     if key is None:
-        return Outcome()
+        return Outcome(kind="key_unknown", why=f"the {cfg.stage} stage's key comes from vLLM's config built in "
+                       "the rank's world, known only after the fill; only the raw stage adopts")
     try:
         return try_adopt(cfg, digest, store, transport, key, count)
     except FdStoreError as exc:
         log.warning("rank %d: the fd store failed a fetch (%s); loading from disk", cfg.global_rank, exc)
-        return Outcome()
+        return Outcome(kind="store_lost", why=f"the fd store failed a fetch: {exc}")
 
 
-def _evict(store: FdStore, digest: str, global_rank: int, server: RankServer) -> None:
+def _evict(store: FdStore | None, digest: str, global_rank: int, server: RankServer) -> None:
     """Take this rank's arena out of the store (a clean stop, a release)."""
+    if store is None:  # lost and not replaced: nothing stored to take out
+        return
     try:
         store.release(digest, global_rank)
     except FdStoreError as exc:
