@@ -328,8 +328,9 @@ def plan_line(root: Path, ranks: list[DaemonRecord], stored: list[dict[str, Any]
     digests = sorted({str(r.digest) for r in ranks} | {str(a.get("digest")) for a in stored})
     named = ", ".join(short_digest(d) for d in digests) or "none"
     total = sum(int(a.get("bytes") or 0) for a in stored)
-    return (f"stop --all: stopping {len(ranks)} daemon rank(s) and dropping {len(stored)} stored arena(s) "
-            f"({total} bytes) under {root}, digests: {named}; {len(stale)} stale socket(s) to remove")
+    return (f"stop --all: stopping {len(ranks)} daemon rank(s) and taking {len(stored)} stored arena(s) "
+            f"({total} bytes) out of the fd store under {root}, digests: {named}; {len(stale)} stale socket(s) "
+            "to remove")
 
 
 def render(report: StopReport) -> list[str]:

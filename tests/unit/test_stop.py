@@ -348,8 +348,8 @@ def test_stop_all_says_what_it_will_stop_before_it_stops(world: dict, monkeypatc
     assert seen and seen[0][1] and seen[0][2]  # said before anything was signalled
     named = ", ".join(sorted([A[:16], B[:16]]))
     assert cap.err.splitlines()[0] == (
-        f"stop --all: stopping 2 daemon rank(s) and dropping 3 stored arena(s) (16384 bytes) under "
-        f"{world['root']}, digests: {named}; 0 stale socket(s) to remove")
+        f"stop --all: stopping 2 daemon rank(s) and taking 3 stored arena(s) (16384 bytes) out of the fd store "
+        f"under {world['root']}, digests: {named}; 0 stale socket(s) to remove")
 
 
 def test_control_a_named_target_is_not_announced(world: dict, capsys) -> None:
