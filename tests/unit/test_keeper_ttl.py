@@ -123,3 +123,12 @@ def test_an_expired_arena_leaves_when_and_its_ttl_behind(root: Path) -> None:
     watcher.close()
     assert wait_for(lambda: process_gone(pid), BOUND_S)  # the keeper exits idle
     assert expired_at(root, DIGEST, 0) == gone  # still said after the keeper is gone
+
+
+@pytest.mark.parametrize("value,says", [("-1", "-1 is negative; give 0 or more"), ("soon", "'soon' is not a number"),
+                                        ("inf", "'inf' is not a finite number")])
+def test_a_bad_orphan_ttl_is_one_line_exit_2(tmp_path: Path, capsys, value: str, says: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["preload", str(tmp_path), "--stage", "raw", f"--orphan-ttl={value}"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and f"argument --orphan-ttl: {says}" in err, err
