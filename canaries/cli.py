@@ -85,6 +85,8 @@ def _record(args: argparse.Namespace) -> int:
     golden = record(
         args.model, args.out, prompts=prompts, max_tokens=args.max_tokens, top_logprobs=args.top_logprobs,
         timeout_s=args.timeout, settings=settings,
+        # About a minute on CPU: said as it goes, on stderr (stdout stays the result).
+        progress=lambda line: print(f"canary record: {line}", file=sys.stderr, flush=True),
     )
     if args.json:
         print(json.dumps({"golden": args.out, **golden.key(), "prompts": len(golden.prompts)}, indent=2))

@@ -30,6 +30,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,8 @@ from preload.deployment import DeploymentSettings, SettingsError, answer_identit
 from preload.identity.answer_files import valid_name
 from preload.identity.digest import content_digest
 from preload.identity.filestat import FileStat
+
+PROGRESS_S = 10.0  # canary record: a line this often while its engine runs (issue 39)
 
 FORMAT = "preload-gate-golden/1"
 DEFAULT_MAX_TOKENS = 16
@@ -247,8 +251,10 @@ def record(
     max_model_len: int = 256,
     timeout_s: float = DEFAULT_RECORD_TIMEOUT_S,
     settings: DeploymentSettings | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Golden:
     """Record a golden file for ``model`` from an ``auto`` engine and write it atomically.
+    ``progress`` is told what happens, in lines (the engine's start takes about a minute on CPU).
 
     The digest is the promotion's when its manifest still describes the
     folder (the stat check every restarting engine makes,
@@ -280,7 +286,10 @@ def record(
         "max_model_len": settings.max_model_len or max_model_len,
     }
     identity = answer_identity(ckpt)
-    result = _run_worker(spec, timeout_s)
+    say = progress or (lambda _line: None)
+    say(f"starting an auto engine on {ckpt} ({len(prompt_list)} prompts x {max_tokens} tokens; up to "
+        f"{timeout_s:.0f} s)")
+    result = _run_worker(spec, timeout_s, say)
     if _shard_stats(ckpt) != before or answer_identity(ckpt) != identity:
         raise GoldenError(f"{ckpt} changed while the golden was being recorded; record again")
     golden = Golden(
@@ -309,7 +318,24 @@ def record_env() -> dict[str, str]:
     return env
 
 
-def _run_worker(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def _wait_reporting(proc: subprocess.Popen, timeout_s: float, say: Callable[[str], None], log: Path) -> int | None:
+    """``proc``'s exit code, None after ``timeout_s``; a line every :data:`PROGRESS_S` meanwhile."""
+    start = time.monotonic()
+    while True:
+        left = timeout_s - (time.monotonic() - start)
+        if left <= 0:
+            return None
+        try:
+            rc = proc.wait(timeout=min(PROGRESS_S, left))
+        except subprocess.TimeoutExpired:
+            say(f"engine running, {time.monotonic() - start:.0f} s of up to {timeout_s:.0f} s (its log: {log})")
+            continue
+        say(f"engine done in {time.monotonic() - start:.0f} s (exit code {rc})")
+        return rc
+
+
+def _run_worker(spec: dict[str, Any], timeout_s: float,
+                say: Callable[[str], None] = lambda _line: None) -> dict[str, Any]:
     """Run the engine in its own process group; kill the whole group after.
 
     vLLM leaves engine-core children behind on CPU; killing the group is
@@ -325,9 +351,7 @@ def _run_worker(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
                 env=record_env(), start_new_session=True,
             )
             try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                rc = None
+                rc = _wait_reporting(proc, timeout_s, say, log_path)
             finally:
                 stop_group(proc, term_s=5.0, kill_s=5.0, reap_s=None)
         tail = log_path.read_bytes()[-3000:].decode("utf-8", "replace")

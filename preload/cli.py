@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Callable
 
 from pgbase.cliargs import positive_int
 
@@ -29,10 +31,19 @@ def _nonempty(value: str) -> str:
     return value
 
 
+def _progress() -> Callable[[str], None] | None:
+    """A bar on a terminal (None: the library's default); elsewhere (a log, CI)
+    plain ``promote: ...`` lines on stderr, so a long hash is never silent (issue 39)."""
+    if sys.stderr.isatty():
+        return None
+    return lambda line: print(f"promote: {line}", file=sys.stderr, flush=True)
+
+
 def _promote(args: argparse.Namespace) -> int:
     from preload.promote import promote, sha256sum_command
 
-    result = promote(args.checkpoint, socket_root=args.socket_root, cache_dir=args.cache_dir, workers=args.workers)
+    result = promote(args.checkpoint, socket_root=args.socket_root, cache_dir=args.cache_dir, workers=args.workers,
+                     progress=_progress())
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:

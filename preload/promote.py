@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def promote(
     socket_root: str | os.PathLike[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     workers: int | None = None,
-    progress: bool | None = None,
+    progress: bool | None | Callable[[str], None] = None,
 ) -> Promotion:
     """Validate and hash ``checkpoint``, write its manifest atomically, and
     create its digest-keyed socket directory (0700).

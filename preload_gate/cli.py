@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from pgbase.errors import PreloadGateError
 from pgbase.oscause import file_limit
@@ -60,7 +60,16 @@ class VerbTableError(PreloadGateError):
 
 class _OneLineParser(argparse.ArgumentParser):
     """Bad usage is one line naming the problem and where help is, exit 2
-    (argparse's default prints the whole usage block first)."""
+    (argparse's default prints the whole usage block first).
+
+    No abbreviations (issue 39): argparse's prefix matching read ``stop --a``
+    as ``stop --all`` and stopped every daemon. Every verb's parser is this
+    class (``add_subparsers`` makes its parsers of the parent's class), so the
+    rule holds for each verb and each sub-verb (``canary record``, ``fixtures tiny``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")

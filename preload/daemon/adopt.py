@@ -50,6 +50,11 @@ class Outcome:
     record: ArenaRecord | None = None
     why: str = ""
     proof_failed: bool = False
+    # Why not adopted, as a kind (preload.daemon.disk_reason.KINDS): "" adopted,
+    # nothing_stored, arena_expired, stage_differs, key_differs, proof_failed;
+    # ``fields``: the key's fields that differ (key_differs).
+    kind: str = ""
+    fields: tuple[str, ...] = ()
 
 
 def expected_key(cfg: RankConfig, digest: str, transport: Transport) -> WeightCacheKey | None:
@@ -82,28 +87,30 @@ def try_adopt(
     rank = cfg.global_rank
     stored = store.fetch(digest, rank)
     if stored is None:
-        return Outcome()
+        gone = store.expired(digest, rank)
+        if gone is not None:
+            return Outcome(kind="arena_expired", why=expired_why(digest, rank, *gone))
+        return Outcome(kind="nothing_stored", why=(
+            f"the fd store ({store.name}) holds no arena for {digest[:16]} rank {rank} (none deposited, "
+            "or dropped by preload-gate stop)"))
     record, fds = stored.record, stored.fds
-    why = ""
+    why, kind, fields = "", "", ()
     if record.stage != cfg.stage or record.transport != transport.name:
-        why = (
+        kind, why = "stage_differs", (
             f"the stored arena is stage {record.stage}/transport {record.transport}; this rank serves "
             f"{cfg.stage}/{transport.name}"
         )
     else:
-        try:
-            theirs = WeightCacheKey.from_json(record.key)
-        except ValueError as exc:
-            why = f"the stored arena's key does not parse ({exc})"
-        else:
-            fields = key.mismatched_fields(theirs)
-            if fields:
-                why = f"the stored arena's key differs in {', '.join(fields)}"
+        theirs, fields = _their_key(record, key)
+        if theirs is None:
+            kind, why = "key_differs", "the stored arena's key does not parse"
+        elif fields:
+            kind, why = "key_differs", f"the stored arena's key differs in {', '.join(fields)}"
     if why:
         for fd in fds:
             os.close(fd)
         log.info("rank %d: not adopting the stored arena: %s; loading from disk", rank, why)
-        return Outcome(record=record, why=why)
+        return Outcome(record=record, why=why, kind=kind, fields=tuple(fields))
     start = time.perf_counter()
     try:
         layout = Layout.from_json(record.entries, record.total_bytes)
@@ -153,6 +160,22 @@ def try_adopt(
     return Outcome(filled=filled, record=record)
 
 
+def expired_why(digest: str, rank: int, when: float, ttl: float) -> str:
+    """The stored arena expired: when, how long ago, after what TTL."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(when))
+    return (f"the stored arena of {digest[:16]} rank {rank} expired at {stamp} ({time.time() - when:.0f} s "
+            f"ago), after its {ttl:g} s orphan TTL (--orphan-ttl)")
+
+
+def _their_key(record: ArenaRecord, key: WeightCacheKey) -> tuple[WeightCacheKey | None, list[str]]:
+    """The stored key and the fields in which ``key`` differs from it (None: it does not parse)."""
+    try:
+        theirs = WeightCacheKey.from_json(record.key)
+    except ValueError:
+        return None, []
+    return theirs, list(key.mismatched_fields(theirs))
+
+
 def _failed(
     cfg: RankConfig,
     digest: str,
@@ -187,7 +210,7 @@ def _failed(
         store.drop(digest, rank)
     except FdStoreError as exc:
         log.warning("rank %d: could not drop the unproven arena from the store: %s", rank, exc)
-    return Outcome(record=record, why=why, proof_failed=True)
+    return Outcome(record=record, why=why, proof_failed=True, kind="proof_failed")
 
 
 def deposit(
@@ -232,6 +255,7 @@ def deposit(
             generation=filled.generation,
             load_seconds=previous.load_seconds if previous is not None else filled.load_seconds,
             bytes_read=previous.bytes_read if previous is not None else filled.bytes_read,
+            orphan_ttl_s=cfg.orphan_ttl_s,
         )
         store.deposit(record, fds)
     except (FdStoreError, PreloadGateError, ValueError) as exc:

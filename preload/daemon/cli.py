@@ -80,6 +80,7 @@ def _options(args: argparse.Namespace) -> Any:
         expect_digest=args.expect_digest, unsafe_identity=args.unsafe_identity, engine=engine,
         health_port=args.health_port, health_host=args.health_host, master_port=args.master_port,
         exit_with_parent=args.exit_with_parent, fd_store=not args.no_fd_store, take_over=args.take_over,
+        orphan_ttl_s=args.orphan_ttl,
     )
 
 
@@ -176,7 +177,9 @@ def _stop(args: argparse.Namespace) -> int:
     if os.path.lexists(root) and not os.path.isdir(root):
         raise PreloadGateError(f"--socket-root {root} is not a directory; name the directory daemons were started "
                                "with (preload --socket-root DIR)")
-    report = stop.stop(target, root, timeout_s=float(args.timeout))
+    # --all says what it stops before it does (stderr: --json stays one document).
+    report = stop.stop(target, root, timeout_s=float(args.timeout),
+                       announce=lambda line: print(line, file=sys.stderr, flush=True))
     if args.json:
         print(msgspec.json.format(msgspec.json.encode(report), indent=2).decode())
     else:

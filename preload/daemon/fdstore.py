@@ -29,6 +29,7 @@ removes it at once. The store holds at most :data:`MAX_ARENAS` arenas.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 from pathlib import Path
@@ -39,7 +40,7 @@ from preload import protocol
 from preload.daemon.arena_record import MAX_ARENAS, ArenaRecord
 from preload.daemon.fdstore_base import FdStore, FdStoreError, StoredArena
 
-__all__ = ["MAX_ARENAS", "FdStore", "FdStoreError", "KeeperStore", "StoredArena", "open_store"]
+__all__ = ["MAX_ARENAS", "FdStore", "FdStoreError", "KeeperStore", "StoredArena", "keeper_state", "open_store"]
 
 # MAX_ARENAS: arenas one store holds; a deposit past it is refused (FdStoreError).
 
@@ -157,6 +158,24 @@ class KeeperStore(FdStore):
     def list(self) -> list[dict[str, Any]]:
         return list(self._ask({"cmd": "list"}).body.get("arenas", []))
 
+    def expired(self, digest: str, global_rank: int) -> tuple[float, float] | None:
+        from preload.daemon.keeper_start import expired_at
+
+        return expired_at(self.root, digest, global_rank)
+
+    def alive(self) -> bool:
+        """The keeper never speaks unasked: a readable connection is its end (EOF)."""
+        with self._mutex:
+            if self._sock is None:
+                return False
+            try:
+                r, _, _ = select.select([self._sock], [], [], 0)
+                return not r or self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+
     def close(self) -> None:
         with self._mutex:
             if self._sock is not None:
@@ -188,6 +207,19 @@ def _close_fds(fds: list[int]) -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+def keeper_state(socket_root: str | os.PathLike[str]) -> str:
+    """``running`` (a keeper answers on ``<root>/keeper.sock``), ``absent``
+    (no socket: none was started, or the root was removed) or ``unreachable``
+    (its socket is there and nothing answers: the keeper died, e.g. kill -9,
+    and what it held with it)."""
+    from preload.daemon.keeper_start import _answers, socket_file
+
+    path = socket_file(socket_root)
+    if not os.path.lexists(path):
+        return "absent"
+    return "running" if _answers(path) else "unreachable"
 
 
 def open_store(socket_root: str | os.PathLike[str] | None, start: bool = True) -> FdStore | None:

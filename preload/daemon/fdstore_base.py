@@ -59,6 +59,16 @@ class FdStore(abc.ABC):
     def list(self) -> list[dict[str, Any]]:
         """``ArenaRecord.summary()`` of each stored arena plus ``held`` (bool)."""
 
+    def alive(self) -> bool:
+        """Whether the store still keeps what this handle deposited (the
+        keeper's connection is open); a store the service manager keeps is."""
+        return True
+
+    def expired(self, digest: str, global_rank: int) -> tuple[float, float] | None:
+        """After a :meth:`fetch` that found nothing: ``(when, ttl)`` where the
+        store dropped that arena at the end of its orphan TTL (unix s, s), else None."""
+        return None
+
     @abc.abstractmethod
     def close(self) -> None:
         """Close this handle (a depositor's arenas become orphans, kept for their TTL)."""

@@ -42,98 +42,51 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import logging
 import os
 import select
 import socket
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 
 from pgbase.errors import InsecureSocketError, ProtocolError
 from preload import protocol
 from preload.daemon.arena_record import MAX_ARENAS, MAX_RECORD_BYTES, ArenaRecord
+from preload.daemon.keeper_start import (  # noqa: F401  (the keeper's public names, as before the split)
+    LOCK_NAME,
+    LOG_NAME,
+    SOCKET_NAME,
+    START_TIMEOUT_S,
+    _answers,
+    _lock,
+    note_expired,
+    socket_file,
+    start_keeper,
+    start_lock,
+)
+from preload.daemon.keeper_wire import (
+    _REQUEST,
+    COMMANDS,
+    Deposit,
+    Drop,
+    Fetch,
+    Hello,
+    List,
+    ReleaseArena,
+    _close_all,
+    _Held,
+)
 
 log = logging.getLogger("preload.keeper")
 
-SOCKET_NAME = "keeper.sock"
-LOCK_NAME = "keeper.lock"
-LOG_NAME = "keeper.log"
 MAX_CONNECTIONS = 64
 IDLE_S = 5.0  # nothing held, nobody connected, this long: the keeper exits
 REAP_S = 0.2  # how often orphans are checked against their TTL
-START_TIMEOUT_S = 15.0
-
-_Hex64 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
-_Rank = Annotated[int, msgspec.Meta(ge=0)]
-
-
-class _Request(msgspec.Struct, tag_field="cmd", forbid_unknown_fields=True):
-    """A keeper request; ``cmd`` picks the Struct."""
-
-
-class Hello(_Request, tag="hello"):
-    client: str = ""
-
-
-class Deposit(_Request, tag="deposit"):
-    """Keep the frame's fds under ``record`` (its ``nfds`` must be their count)."""
-
-    record: dict[str, Any]
-
-
-class Fetch(_Request, tag="fetch"):
-    digest: _Hex64
-    global_rank: _Rank
-
-
-class ReleaseArena(_Request, tag="release"):
-    """The depositor stops for good: drop what this connection deposited there."""
-
-    digest: _Hex64
-    global_rank: _Rank
-
-
-class Drop(_Request, tag="drop"):
-    digest: _Hex64 | None = None
-    global_rank: _Rank | None = None
-
-
-class List(_Request, tag="list"): ...
-
-
-_REQUEST = Hello | Deposit | Fetch | ReleaseArena | Drop | List
-COMMANDS = tuple(str(c.__struct_config__.tag) for c in (Hello, Deposit, Fetch, ReleaseArena, Drop, List))
-
-
-def socket_file(root: str | os.PathLike[str]) -> Path:
-    return Path(root) / SOCKET_NAME
-
-
-@dataclass
-class _Held:
-    record: ArenaRecord
-    fds: list[int]
-    owner: int | None  # the depositing connection's id; None: an orphan
-    orphan_since: float = 0.0  # monotonic
-
-    def summary(self) -> dict[str, Any]:
-        return {**self.record.summary(), "held": self.owner is not None,
-                "orphan_ttl_s": self.record.orphan_ttl_s}
-
-
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
 
 class Keeper:
     """The keeper's state and server (one per socket root)."""
@@ -323,6 +276,8 @@ class Keeper:
                 _close_all(held.fds)
                 log.info("keeper: dropped the orphan rank %d of %s after its %g s TTL",
                          k[1], k[0][:16], held.record.orphan_ttl_s)
+                # Kept on disk, so a successor says "expired at ..." even after this keeper exits idle.
+                note_expired(self.root, k[0], k[1], held.record.orphan_ttl_s)
 
     # ------------------------------------------------------------ commands
 
@@ -405,71 +360,8 @@ class Keeper:
         return {"status": "ok", "replaced": old is not None}
 
 
-def _answers(path: Path) -> bool:
-    """A keeper listens on ``path`` (busy counts: the ranks' own rule)."""
-    from preload.daemon.lock import socket_answers
-
-    return socket_answers(path)
-
-
-def _lock(root: Path) -> int:
-    """Take ``<root>/keeper.lock`` (flock, blocking); the caller closes the fd to release it."""
-    from pgbase.lockfile import open_lock_file
-
-    fd = open_lock_file(root / LOCK_NAME, "keeper start lock")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-@contextlib.contextmanager
-def start_lock(root: str | os.PathLike[str]) -> Any:
-    fd = _lock(Path(root))
-    try:
-        yield
-    finally:
-        os.close(fd)
-
-
-def start_keeper(root: str | os.PathLike[str], idle_s: float | None = None) -> int:
-    """Start a keeper for ``root`` detached from the caller (own session,
-    stdin /dev/null, log in ``<root>/keeper.log``, cwd ``/``) and wait until
-    its socket answers; returns its pid. The caller holds :func:`start_lock`.
-    Runs the code this process imported (its package directory first on
-    ``PYTHONPATH``) with this process's environment otherwise.
-    Raises RuntimeError naming the log when it does not come up."""
-    from preload.trust import open_own_file
-
-    root = Path(root)
-    pkg_parent = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "preload.daemon.keeper", "--socket-root", str(root)]
-    if idle_s is not None:
-        cmd += ["--idle-s", str(idle_s)]
-    logfd = open_own_file(root / LOG_NAME, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "keeper log")
-    try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logfd, stderr=logfd, env=env,
-                                cwd="/", start_new_session=True, close_fds=True)
-    finally:
-        os.close(logfd)
-    end = time.monotonic() + START_TIMEOUT_S
-    path = socket_file(root)
-    while time.monotonic() < end:
-        if _answers(path):
-            return proc.pid
-        rc = proc.poll()
-        if rc is not None:
-            raise RuntimeError(f"the keeper exited with code {rc} before serving; see {root / LOG_NAME}")
-        time.sleep(0.02)
-    raise RuntimeError(f"the keeper did not answer on {path} within {START_TIMEOUT_S:g} s; see {root / LOG_NAME}")
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m preload.daemon.keeper",
+    p = argparse.ArgumentParser(prog="python -m preload.daemon.keeper", allow_abbrev=False,
                                 description="hold daemons' arena fds across their restarts (issue 26)")
     p.add_argument("--socket-root", required=True, help="the socket root whose daemons it serves")
     p.add_argument("--idle-s", type=float, default=IDLE_S, help="exit after holding nothing this long")

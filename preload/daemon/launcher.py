@@ -210,6 +210,25 @@ class Launcher:
         gone = [c for c in codes if c is not None]
         return all(c == HANDED_OVER_EXIT for c in gone), len(gone) == len(codes)
 
+    def died(self) -> str:
+        """The ranks that exited other than by handing over: ``rank N (pid P,
+        exit code C | killed by SIGKILL)``, comma-separated."""
+        from preload.daemon.settings import HANDED_OVER_EXIT
+
+        out = []
+        for p, proc in self.procs:
+            code = proc.poll()
+            if code is None or code == HANDED_OVER_EXIT:
+                continue
+            how = f"exit code {code}"
+            if code < 0:
+                try:
+                    how = f"killed by {signal.Signals(-code).name}"
+                except ValueError:
+                    how = f"killed by signal {-code}"
+            out.append(f"rank {p.global_rank} (pid {proc.pid}, {how})")
+        return ", ".join(out) or "a rank"
+
     def stop(self, timeout_s: float = 15.0) -> None:
         for _, proc in self.procs:
             if proc.poll() is None:
@@ -294,7 +313,8 @@ def run(opts: PreloadOptions, out: Any = None) -> int:
                     log.warning("every rank handed its arena over to a successor (--take-over); exiting")
                     return 0
                 if not handed:
-                    log.error("a rank process died; stopping the others")
+                    # Named, with its pid and how it ended (issue 39): its log is the next place to look.
+                    log.error("%s died; stopping the others", launcher.died())
                     return 1
                 # Some ranks handed over: their peers' successors ask them next.
             reason = interrupted()

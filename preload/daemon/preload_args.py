@@ -7,7 +7,14 @@ from __future__ import annotations
 import argparse
 import os
 
-from pgbase.cliargs import digest_arg, fixed_port, nonnegative_int, port, positive_int
+from pgbase.cliargs import (
+    digest_arg,
+    fixed_port,
+    nonnegative_float,
+    nonnegative_int,
+    port,
+    positive_int,
+)
 
 
 def add_preload(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -67,6 +74,9 @@ def add_preload(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "store and exit, then adopt it (no checkpoint read; attached engines keep theirs)")
     p.add_argument("--no-fd-store", action="store_true",
                    help="keep no arena in the fd store (a daemon's crash loses its weights) and adopt none")
+    p.add_argument("--orphan-ttl", type=nonnegative_float, default=3600.0, dest="orphan_ttl", metavar="SECONDS",
+                   help="how long the fd store keeps a rank's arena after its daemon dies without stopping "
+                   "(a crash, kill -9), for a successor to adopt; 0: until preload-gate stop (default 3600)")
     p.add_argument("--health-port", type=port, default=None, help="serve /health and /metrics (off by default)")
     p.add_argument("--health-host", default="127.0.0.1")
     p.add_argument("--unsafe-identity", choices=UNSAFE_IDENTITIES, default=None,

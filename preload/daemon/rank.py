@@ -14,24 +14,25 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from pgbase.errors import PreloadGateError
 from pgbase.oscause import file_limit, reason
+from preload.daemon import disk_reason, take_over
 from preload.daemon.adopt import Outcome, deposit, expected_key, try_adopt
-from preload.daemon.fdstore import FdStore, FdStoreError, open_store
+from preload.daemon.fdstore import FdStore, FdStoreError, keeper_state, open_store
 from preload.daemon.home import remove_if_empty
-from preload.daemon.lock import RankBusyError, RankLock
+from preload.daemon.lock import RankLock
 from preload.daemon.parent import INTERVAL_S as PARENT_POLL_S
 from preload.daemon.parent import ParentWatch
 from preload.daemon.server import RankServer
 from preload.daemon.settings import HANDED_OVER_EXIT
 from preload.daemon.stage import Filled, RankConfig, peak_rss_bytes, rss_bytes
+from preload.daemon.store_watch import StoreWatch
 from preload.identity.anchors import header_only_digest
 from preload.identity.manifest import load_manifest
-from preload.sockets import ensure_private_dir, socket_dir
+from preload.sockets import default_socket_root, ensure_private_dir, socket_dir
 from preload.transports import get_transport
 from preload.trust import UNSAFE_IDENTITIES, require_unsafe_controls
 
@@ -102,6 +103,8 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
     lock = None
     store: FdStore | None = None
     adopted: Outcome = Outcome()
+    why_disk: disk_reason.DiskReason | None = None
+    root = str(cfg.socket_root or default_socket_root())
     counts: dict[str, int] = {}
 
     def count(kind: str) -> None:
@@ -112,14 +115,15 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
         if expected is None:
             raise PreloadGateError("--take-over needs the digest before the fill (a promotion manifest or "
                                    "--expect-digest): promote the checkpoint, or pass --expect-digest")
-        predecessor = _take_over(expected, cfg)
+        predecessor = take_over.ask(expected, cfg)
     if expected is not None:
-        sdir, lock = _lock_rank(expected, cfg) if predecessor is None else _lock_after(expected, cfg)
+        sdir, lock = _lock_rank(expected, cfg) if predecessor is None else take_over.lock_after(expected, cfg,
+                                                                                               _lock_rank)
     try:
         baseline = rss_bytes()
         # A running store only: nothing (no keeper, no socket) is started
         # for a checkpoint that may yet be refused; the deposit starts one.
-        store = _open_store(cfg, start=False)
+        store, store_state = _open_store(cfg, start=False)
         # Re-adoption (issue 26): the digest is known before the fill, and the
         # byte proof is ours (never under the unsafe header-only control).
         if store is not None and expected is not None and cfg.unsafe_identity is None:
@@ -127,6 +131,9 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
         if adopted.filled is not None:
             filled = adopted.filled
         else:
+            # Every read from disk says why (issue 39): ready line, event, log.
+            why_disk = disk_reason.explain(cfg, expected, root, store_state, adopted)
+            disk_reason.announce(why_disk, cfg, expected, adopted.record)
             filled = _fill(cfg, None if cfg.unsafe_identity else expected)
             count("loaded_from_disk")
         # A stage that imports heavy libraries measures its own baseline after them.
@@ -160,12 +167,20 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
             store.close()
         raise
     if store is None:
-        store = _open_store(cfg, start=True)
+        store, _state = _open_store(cfg, start=True)
+
+    def put(into: FdStore) -> bool:
+        return deposit(into, filled, cfg, server.daemon_id, server.checkpoint, adopted.record) is not None
+
     # Deposited before the ready line: a daemon killed right after it leaves its arena stored.
-    deposited = store is not None and deposit(store, filled, cfg, server.daemon_id, server.checkpoint,
-                                              adopted.record) is not None
+    deposited = store is not None and put(store)
+    watch: StoreWatch | None = None
     if store is not None and deposited:
-        server.on_release = lambda: _evict(store, filled.digest, cfg.global_rank, server)
+        # The store is watched (issue 39): a lost keeper is replaced and the arena re-deposited.
+        watch = StoreWatch(store, root, cfg.global_rank, f"{filled.digest[:16]} rank {cfg.global_rank}, "
+                           f"{filled.layout.total_bytes} bytes of {server.checkpoint}", put)
+        watch.start()
+        server.on_release = lambda: _evict(watch.current(), filled.digest, cfg.global_rank, server)
         server.on_hand_over = stop.set  # the loop below ends; handed_over keeps the arena stored
     clean = False
     try:
@@ -183,6 +198,7 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
                 "adopt_seconds": round(filled.adopt_seconds, 4),
                 "fd_store": store.name if store is not None and deposited else None,
                 "took_over_from": server.took_over_from,
+                "disk_reason": why_disk.to_json() if why_disk is not None else None,
             })
         while not stop.wait(PARENT_POLL_S):
             # Orphaned (the launcher was killed -9): stop (preload.daemon.parent).
@@ -194,6 +210,8 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
             # handed over: the successor adopts the stored arena.
             clean = not server.handed_over
     finally:
+        if watch is not None:
+            store = watch.stop()
         if store is not None:
             # A clean stop takes the arena out of the store; any other end
             # (the launcher gone, an error) leaves it there for a successor.
@@ -204,67 +222,23 @@ def serve_rank(cfg: RankConfig, stop: threading.Event, announce: Any = None,
     return server.handed_over
 
 
-TAKE_OVER_S = 60.0
-
-
-def _take_over(digest: str, cfg: RankConfig) -> dict[str, Any] | None:
-    """Ask the daemon serving ``digest`` for this rank to hand its arena over
-    (``hand_over``); its answer (pid, daemon_id), or None when none answers
-    (then this rank starts as without ``--take-over``). Raises
-    PreloadGateError with the old daemon's reason when it refuses."""
-    from preload.client import DaemonClient
-    from preload.sockets import socket_path
-
-    sdir = socket_dir(digest, cfg.socket_root)
-    if not socket_path(sdir, cfg.global_rank).exists():
-        log.info("rank %d: --take-over: no daemon serves %s here; starting as a first daemon",
-                 cfg.global_rank, digest[:16])
-        return None
-    try:
-        client = DaemonClient.connect(sdir, cfg.global_rank, client="preload-gate take-over")
-    except PreloadGateError as exc:
-        log.info("rank %d: --take-over: the daemon there does not answer (%s); starting as a first daemon",
-                 cfg.global_rank, exc)
-        return None
-    try:
-        reply = client.hand_over("preload-gate take-over")
-    except PreloadGateError as exc:
-        raise PreloadGateError(f"rank {cfg.global_rank}: --take-over refused: {exc}") from exc
-    finally:
-        client.close()
-    log.warning("rank %d: --take-over: daemon %s (pid %s) hands its arena over", cfg.global_rank,
-                reply.get("daemon_id"), reply.get("pid"))
-    return reply
-
-
-def _lock_after(digest: str, cfg: RankConfig) -> tuple[Path, RankLock]:
-    """The rank lock once the handing-over daemon let it go (it stops right
-    after its answer); PreloadGateError after TAKE_OVER_S."""
-    end = time.monotonic() + TAKE_OVER_S
-    while True:
-        try:
-            return _lock_rank(digest, cfg)
-        except RankBusyError as exc:
-            if time.monotonic() > end:
-                raise PreloadGateError(f"rank {cfg.global_rank}: --take-over: the old daemon did not stop "
-                                       f"within {TAKE_OVER_S:.0f} s ({exc}); stop it and start this one "
-                                       "again") from exc
-            time.sleep(0.05)
-
-
-def _open_store(cfg: RankConfig, start: bool) -> FdStore | None:
+def _open_store(cfg: RankConfig, start: bool) -> tuple[FdStore | None, str]:
     """The fd store of this rank's socket root (started when absent and
-    ``start``), None with ``--no-fd-store``, when none runs and not ``start``,
-    or when it cannot be used (logged: the rank then serves as before, and a
-    crash means a reload)."""
+    ``start``) and "" ; or None with why: ``--no-fd-store``, the keeper's
+    state when none runs and not ``start`` (``absent``/``unreachable``), or
+    the error when it cannot be used (logged: the rank then serves as before,
+    and a crash means a reload)."""
     if not cfg.fd_store:
-        return None
+        return None, "disabled"
     try:
-        return open_store(cfg.socket_root, start=start)
+        store = open_store(cfg.socket_root, start=start)
     except FdStoreError as exc:
         log.warning("rank %d: no fd store (%s); serving without one: a crash of this daemon means a reload",
                     cfg.global_rank, exc)
-        return None
+        return None, str(exc)
+    if store is None:
+        return None, keeper_state(cfg.socket_root or default_socket_root())
+    return store, ""
 
 
 def _adopt(cfg: RankConfig, digest: str, store: FdStore, count: Any) -> Outcome:
@@ -273,18 +247,21 @@ def _adopt(cfg: RankConfig, digest: str, store: FdStore, count: Any) -> Outcome:
         key = expected_key(cfg, digest, transport)
     except (PreloadGateError, OSError, ValueError) as exc:
         log.info("rank %d: no key before the fill (%s); not adopting", cfg.global_rank, exc)
-        return Outcome()
+        return Outcome(kind="key_unknown", why=f"no key before the fill: {exc}")
     if key is None:
-        return Outcome()
+        return Outcome(kind="key_unknown", why=f"the {cfg.stage} stage's key comes from vLLM's config built in "
+                       "the rank's world, known only after the fill; only the raw stage adopts")
     try:
         return try_adopt(cfg, digest, store, transport, key, count)
     except FdStoreError as exc:
         log.warning("rank %d: the fd store failed a fetch (%s); loading from disk", cfg.global_rank, exc)
-        return Outcome()
+        return Outcome(kind="store_lost", why=f"the fd store failed a fetch: {exc}")
 
 
-def _evict(store: FdStore, digest: str, global_rank: int, server: RankServer) -> None:
+def _evict(store: FdStore | None, digest: str, global_rank: int, server: RankServer) -> None:
     """Take this rank's arena out of the store (a clean stop, a release)."""
+    if store is None:  # lost and not replaced: nothing stored to take out
+        return
     try:
         store.release(digest, global_rank)
     except FdStoreError as exc:

@@ -34,6 +34,10 @@ class DaemonSettings:
     # ``--take-over``: ask a running daemon for the same digest and rank to
     # hand its stored arena over, then adopt it (issue 26).
     take_over: bool = False
+    # ``--orphan-ttl``: how long the store keeps a rank's arena once its daemon
+    # is gone without stopping (a crash, kill -9); 0: until ``preload-gate stop``
+    # (issue 39: written in the arena's record, shown by status).
+    orphan_ttl_s: float = 3600.0
 
     def daemon_settings(self, **changes: Any) -> dict[str, Any]:
         """These fields by name, with ``changes`` (a subclass's own fields left out)."""

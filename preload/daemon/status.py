@@ -20,10 +20,8 @@ a line in the record and, to show it, one in :func:`render`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import stat
-import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +30,11 @@ import msgspec
 from pgbase.digest_text import short_digest
 from pgbase.errors import PreloadGateError
 from preload.daemon.status_fix import Fixes, fixes_for, launcher_command
+from preload.daemon.status_store import StoredRecord, StoreState, scan_store, store_lines
+from preload.daemon.status_text import _key_text, _last_failure, origin_line
+
+__all__ = ["DaemonRecord", "DiskCheck", "StatusReport", "StoreState", "StoredRecord", "check_disk", "render",
+           "scan", "scan_store", "store_lines"]
 from preload.identity.key import WeightCacheKey
 
 FORMAT = "preload-gate-status/1"
@@ -83,6 +86,11 @@ class DaemonRecord(msgspec.Struct, kw_only=True):
     released: bool = False
     load_seconds: float = 0.0
     uptime_s: float = 0.0
+    # Where its arena came from (issue 26/39): disk or adopted, how many daemons held it before, a take-over's
+    # predecessor ({pid, daemon_id}).
+    origin: str | None = None
+    generation: int = 0
+    took_over_from: dict[str, Any] | None = None
     cache_dir: str | None = None
     launcher_pid: int | None = None
     command: str | None = None
@@ -101,39 +109,6 @@ class DaemonRecord(msgspec.Struct, kw_only=True):
     disk: DiskCheck | None = None
 
 
-class StoredRecord(msgspec.Struct, kw_only=True):
-    """One arena an fd store keeps (:meth:`preload.daemon.fdstore.FdStore.list`):
-    ``ArenaRecord.summary()`` plus ``held`` (a live depositor holds it; else
-    an orphan, kept ``ttl_left_s`` more seconds, None: until ``stop`` or
-    unknown), the store's name and its socket root."""
-
-    socket_root: str
-    store: str
-    digest: str
-    rank: int
-    stage: str
-    transport: str
-    bytes: int
-    held: bool
-    tensors: int = 0
-    origin: str = ""
-    generation: int = 0
-    checkpoint: str = ""
-    daemon_id: str = ""
-    pid: int = 0
-    deposited_at: float = 0.0
-    ttl_left_s: float | None = None
-
-
-class StoreState(msgspec.Struct):
-    """The fd store of one socket root: its name (None: none runs) or why it
-    could not be listed."""
-
-    socket_root: str
-    store: str | None
-    error: str | None = None
-
-
 class StatusReport(msgspec.Struct):
     """``status --json``: every rank found (``ranks``), serving daemons under
     roots engines do not look in (``elsewhere``), registry entries refused,
@@ -148,32 +123,6 @@ class StatusReport(msgspec.Struct):
     format: str = FORMAT
     stores: list[StoreState] = msgspec.field(default_factory=list)
     stored: list[StoredRecord] = msgspec.field(default_factory=list)
-
-
-def scan_store(root: str | os.PathLike[str]) -> tuple[StoreState, list[StoredRecord]]:
-    """What the fd store of ``root`` keeps, asked without starting one
-    (``open_store(root, start=False)``). A store that cannot be reached or
-    answers badly is reported in :attr:`StoreState.error`, not raised:
-    ``status`` shows what it can."""
-    from preload.daemon import fdstore
-
-    where = str(root)
-    try:
-        store = fdstore.open_store(where, start=False)
-    except NotImplementedError:  # a tree built without a store (before the keeper): none runs
-        return StoreState(where, None), []
-    except (PreloadGateError, OSError) as exc:
-        return StoreState(where, None, error=str(exc) or type(exc).__name__), []
-    if store is None:
-        return StoreState(where, None), []
-    try:
-        listed = store.list()
-        records = [msgspec.convert({**a, "socket_root": where, "store": store.name}, StoredRecord) for a in listed]
-    except (PreloadGateError, OSError, msgspec.ValidationError) as exc:
-        return StoreState(where, store.name, error=str(exc)), []
-    finally:
-        store.close()
-    return StoreState(where, store.name), sorted(records, key=lambda r: (r.digest, r.rank))
 
 
 def scan(root: str | os.PathLike[str] | None) -> list[DaemonRecord]:
@@ -396,30 +345,6 @@ def render(report: StatusReport, default_root: Path) -> list[str]:
     return lines
 
 
-def store_lines(report: StatusReport) -> list[str]:
-    """The fd store section: per root with a store, each arena it keeps."""
-    out: list[str] = []
-    for st in report.stores:
-        if st.error:
-            out.append(f"note: cannot list the fd store of {st.socket_root}: {st.error}")
-            continue
-        if st.store is None:
-            continue
-        kept = [a for a in report.stored if a.socket_root == st.socket_root]
-        total = sum(a.bytes for a in kept)
-        out.append(f"fd store ({st.store}) of {st.socket_root}: {len(kept)} arena(s), {total} bytes")
-        for a in kept:
-            if a.held:
-                who = f"held by pid {a.pid}"
-            elif a.ttl_left_s is None:
-                who = "orphan (kept until preload-gate stop)"
-            else:
-                who = f"orphan ({a.ttl_left_s:.0f} s of its TTL left)"
-            out.append(f"    {short_digest(a.digest)} rank {a.rank} {a.stage}/{a.transport} {a.bytes} bytes, "
-                       f"{a.origin or '?'} gen {a.generation}, {who}  {a.checkpoint}".rstrip())
-    return out
-
-
 def _not_serving(r: DaemonRecord) -> str:
     if r.not_a_socket:  # a file or link in a socket's place: no daemon ever served through it
         return f"{r.socket}: {r.not_a_socket}, not a socket: nothing serves here; remove it"
@@ -447,17 +372,10 @@ def _serving(r: DaemonRecord, default_root: Path) -> list[str]:
                    + _last_failure(r.last_attach_failure))
     if r.misses:
         out.append("    misses   " + ", ".join(f"{k} {n}" for k, n in sorted(r.misses.items())))
+    out.append("    " + origin_line(r.origin, r.generation, r.took_over_from))
     if r.disk is not None:
         out.append("    " + disk_line(r))
     return out
-
-
-def _last_failure(last: dict[str, Any] | None) -> str:
-    if not last:
-        return ""
-    ago = max(0.0, time.time() - float(last.get("at") or 0))
-    who = " ".join(str(x) for x in (last.get("client") or "", f"pid {last['pid']}" if last.get("pid") else "") if x)
-    return f"; last {ago:.0f} s ago{(' by ' + who) if who else ''}: {last.get('kind')}: {last.get('detail')}"
 
 
 def disk_line(r: DaemonRecord) -> str:
@@ -477,32 +395,3 @@ def disk_line(r: DaemonRecord) -> str:
         return f"stale: {ckpt} was {d.reason}, this daemon serves {d16}; engines on it will miss; run: {d.fix}"
     what = f"{d.shard}: {d.fields}" if d.shard and d.fields else d.reason
     return f"stale: {ckpt} changed ({what}); engines on it will miss; run: {d.fix}"
-
-
-# The settings an operator compares with an engine's arguments (--dtype,
-# --kv-cache-dtype, --quantization, --model-impl, the vLLM release): named on
-# the key line whenever the key carries them, at their default too ("auto"),
-# so a text status answers "does this daemon match my engine" without --json.
-_KEY_ALWAYS = ("config_digest", "architecture", "dtype", "kv_cache_dtype", "quantization", "model_impl",
-               "vllm_version")
-
-
-def _key_text(key: dict[str, Any] | None) -> str:
-    """The key's layout, then in the key's field order: every field of
-    :data:`_KEY_ALWAYS` that is set (not None or empty), and every other field
-    that is not at its default (content digest, stage and transport are on
-    their own lines)."""
-    if not key:
-        return "(none)"
-    shown = {"content_digest", "export_stage", "transport", "tp_size", "tp_rank", "pp_size", "pp_rank",
-             "dp_size", "dp_rank"}
-    parts = [f"tp {key.get('tp_rank')}/{key.get('tp_size')} pp {key.get('pp_rank')}/{key.get('pp_size')} "
-             f"dp {key.get('dp_rank')}/{key.get('dp_size')}"]
-    for f in dataclasses.fields(WeightCacheKey):
-        # A field sent only when set is absent at its default (key.SENT_WHEN_SET): absent means the default.
-        value = key.get(f.name, f.default)
-        if f.name in shown or value in (None, "") or (value == f.default and f.name not in _KEY_ALWAYS):
-            continue
-        text = short_digest(value) if isinstance(value, str) and f.name.endswith("_digest") else value
-        parts.append(f"{f.name}={text}")
-    return " ".join(parts)

@@ -95,7 +95,7 @@ def _reparse(argv: list[str], cwd: str | None) -> tuple[argparse.ArgumentParser,
     (a launcher of another release): no usage text, no exit."""
     from preload.daemon.preload_args import add_preload
 
-    parser = add_preload(argparse.ArgumentParser(add_help=False).add_subparsers())
+    parser = add_preload(argparse.ArgumentParser(add_help=False, allow_abbrev=False).add_subparsers())
 
     def refuse(message: str) -> NoReturn:
         raise ValueError(message)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,9 @@ class StopReport(msgspec.Struct):
     dropped: list[dict[str, Any]]
     store: str | None  # "keeper" | "systemd"; None: no store runs
     format: str = FORMAT
+    # Stale rank sockets of the target removed (nothing answered, no live
+    # process held the lock: a daemon killed -9 left them; issue 39).
+    removed: list[str] = msgspec.field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -226,16 +230,52 @@ def _stop_launcher(ranks: list[DaemonRecord], timeout_s: float) -> list[Stopped]
     return out
 
 
+def _stale(r: DaemonRecord) -> bool:
+    """A rank socket nothing answers on and whose lock no live process holds."""
+    return not (r.serving or r.busy or r.refused or r.not_a_socket or r.lock_holder)
+
+
+def _stale_of(target: Target, records: list[DaemonRecord], wanted: set[str]) -> list[DaemonRecord]:
+    """The target's stale sockets: their directory is ``<digest[:16]>``."""
+    prefixes = {d[:16] for d in wanted} | ({target.digest[:16]} if target.digest else set())
+    return [r for r in records if _stale(r) and (target.all or Path(r.socket).parent.name in prefixes)]
+
+
+def _remove_stale(records: list[DaemonRecord]) -> list[str]:
+    """Remove each stale socket (checked once more: a daemon may have bound it
+    since) and its directory when that leaves it empty."""
+    from preload.daemon.home import remove_if_empty
+    from preload.daemon.lock import lock_holder, socket_answers
+
+    removed = []
+    for r in records:
+        sock = Path(r.socket)
+        rank = int(sock.stem.removeprefix("rank"))
+        if socket_answers(sock) or lock_holder(sock.parent, rank) is not None:
+            continue
+        try:
+            sock.unlink()
+        except OSError:
+            continue
+        removed.append(str(sock))
+        remove_if_empty(sock.parent)
+    return removed
+
+
 def stop(
-    target: Target, socket_root: str | os.PathLike[str], timeout_s: float = TERM_S
+    target: Target, socket_root: str | os.PathLike[str], timeout_s: float = TERM_S,
+    announce: Callable[[str], None] | None = None,
 ) -> StopReport:
     """Stop the target's daemons under ``socket_root`` and drop its arenas from
-    the store; the report of both. Raises StopError for a digest prefix that
-    names more than one digest, FdStoreError when a store runs but fails."""
+    the store; the report of both. ``announce`` is told, before anything is
+    signalled or dropped, what ``--all`` is about to stop (one line).
+    Raises StopError for a digest prefix that names more than one digest,
+    FdStoreError when a store runs but fails."""
     from preload.daemon import fdstore, status
 
     root = Path(socket_root)
-    ranks = [r for r in status.scan(root) if r.serving and _matches(target, r.digest, r.checkpoint)]
+    scanned = status.scan(root)
+    ranks = [r for r in scanned if r.serving and _matches(target, r.digest, r.checkpoint)]
     store = fdstore.open_store(str(root), start=False)
     try:
         stored = store.list() if store is not None else []
@@ -255,6 +295,9 @@ def stop(
                 f"digest prefix {target.digest} names {len(wanted)} digests "
                 f"({', '.join(sorted(short_digest(d) + '...' for d in wanted))}); give more of it"
             )
+        stale = _stale_of(target, scanned, wanted)
+        if target.all and announce is not None:
+            announce(plan_line(root, ranks, stored, stale))
         by_launcher: dict[int | None, list[DaemonRecord]] = {}
         for r in ranks:
             by_launcher.setdefault(r.launcher_pid, []).append(r)
@@ -272,15 +315,28 @@ def stop(
             stopped=stopped,
             dropped=dropped,
             store=store.name if store is not None else None,
+            removed=_remove_stale(stale),
         )
     finally:
         if store is not None:
             store.close()
 
 
+def plan_line(root: Path, ranks: list[DaemonRecord], stored: list[dict[str, Any]],
+              stale: list[DaemonRecord]) -> str:
+    """What ``stop --all`` is about to do, said before it does it."""
+    digests = sorted({str(r.digest) for r in ranks} | {str(a.get("digest")) for a in stored})
+    named = ", ".join(short_digest(d) for d in digests) or "none"
+    total = sum(int(a.get("bytes") or 0) for a in stored)
+    return (f"stop --all: stopping {len(ranks)} daemon rank(s) and taking {len(stored)} stored arena(s) "
+            f"({total} bytes) out of the fd store under {root}, digests: {named}; {len(stale)} stale socket(s) "
+            "to remove")
+
+
 def render(report: StopReport) -> list[str]:
     """The lines ``stop`` prints."""
-    lines = []
+    lines = [f"removed stale socket {sock} (nothing answered on it and its lock was free)"
+             for sock in report.removed]
     for s in report.stopped:
         if s.stopped:
             by = "" if s.signalled in (None, s.pid) else f" (via its launcher, pid {s.signalled})"
@@ -299,7 +355,7 @@ def render(report: StopReport) -> list[str]:
             f"{a.get('bytes')} bytes ({held}, {a.get('origin')} gen {a.get('generation')}) from the "
             f"{report.store} store  {a.get('checkpoint') or ''}".rstrip()
         )
-    if not report.stopped and not report.dropped:
+    if not report.stopped and not report.dropped and not report.removed:
         store = (
             "no fd store runs" if report.store is None else f"the {report.store} store holds none"
         )

@@ -48,7 +48,7 @@ from pgbase.oscause import describe
 from pgbase.shards import INDEX_NAME, check_unique_tensors, not_a_directory, read_header
 from preload import trust
 from preload.identity.config import config_digest
-from preload.identity.digest import checkpoint_digest, content_digest, hash_shards
+from preload.identity.digest import Progress, checkpoint_digest, content_digest, hash_shards
 from preload.identity.entries import TOP, WEIGHT_SUFFIXES, folder_changes, tree_entries
 from preload.identity.filestat import (
     STAT_BLIND_FILESYSTEMS,
@@ -235,7 +235,7 @@ def manifest_path(checkpoint: str | os.PathLike[str], cache_dir: str | os.PathLi
 def build_manifest(
     checkpoint: str | os.PathLike[str],
     workers: int | None = None,
-    progress: bool | None = None,
+    progress: Progress = None,
 ) -> Manifest:
     """Validate every header, hash every shard, and record what was hashed.
 

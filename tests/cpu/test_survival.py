@@ -182,6 +182,8 @@ def test_an_unsealed_forged_memfd_fails_its_proof_and_the_successor_reads_disk(
         second.stop()
         forger.close()
     assert served.rank["origin"] == "disk" and served.rank["bytes_read"] > 0, served.rank
+    # Its ready line says why (issue 39); the error event below is the only event.
+    assert served.rank["disk_reason"]["kind"] == "proof_failed", served.rank["disk_reason"]
     assert served.stats["proof_failed"] == 1 and served.stats["adopted"] == 0
     assert served.tensors == want
     events = [
@@ -215,6 +217,7 @@ def test_a_stored_arena_of_another_stage_is_not_adopted(setup: Setup) -> None:
         second.stop()
         forger.close()
     assert served.rank["origin"] == "disk" and served.rank["bytes_read"] > 0
+    assert served.rank["disk_reason"]["kind"] == "stage_differs", served.rank["disk_reason"]
     assert served.stats["adopted"] == 0 and served.stats["proof_failed"] == 0
     assert "not adopting the stored arena: the stored arena is stage loaded" in second.output
     assert served.tensors == checkpoint_tensor_digests(setup.checkpoint)

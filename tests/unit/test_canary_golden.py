@@ -26,7 +26,7 @@ def test_record_writes_a_golden_keyed_by_an_independent_digest(tiny_ckpt, tmp_pa
     from canaries.golden import load_golden, record
     from preload.identity.digest import content_digest
 
-    monkeypatch.setattr(golden_mod, "_run_worker", lambda spec, timeout_s: stub_result(len(spec["prompts"])))
+    monkeypatch.setattr(golden_mod, "_run_worker", lambda spec, timeout_s, *_say: stub_result(len(spec["prompts"])))
     out = tmp_path / "g.json"
     g = record(tiny_ckpt, out, prompts=["a", "b"])
     assert g.digest == content_digest(tiny_ckpt)
@@ -42,7 +42,7 @@ def test_the_default_golden_covers_the_prompts_the_gate_compares(tiny_ckpt, tmp_
 
     sent: list[list[str]] = []
 
-    def worker(spec: dict, timeout_s: float) -> dict:
+    def worker(spec: dict, timeout_s: float, *_say) -> dict:
         sent.append(list(spec["prompts"]))
         return stub_result(len(spec["prompts"]))
 
@@ -57,7 +57,7 @@ def test_checkpoint_edited_during_recording_is_refused(tiny_ckpt, tmp_path, monk
     ckpt = copy_checkpoint(tiny_ckpt, tmp_path / "ckpt")
     shard = shard_paths(ckpt)[0]
 
-    def editing_worker(spec: dict, timeout_s: float) -> dict:
+    def editing_worker(spec: dict, timeout_s: float, *_say) -> dict:
         data = bytearray(shard.read_bytes())
         data[-1] ^= 1  # what an rsync landing mid-recording looks like
         time.sleep(0.01)
@@ -70,7 +70,7 @@ def test_checkpoint_edited_during_recording_is_refused(tiny_ckpt, tmp_path, monk
         golden_mod.record(ckpt, out)
     assert not out.exists()
     # Control: the same recording without the edit succeeds.
-    monkeypatch.setattr(golden_mod, "_run_worker", lambda spec, timeout_s: stub_result(len(spec["prompts"])))
+    monkeypatch.setattr(golden_mod, "_run_worker", lambda spec, timeout_s, *_say: stub_result(len(spec["prompts"])))
     golden_mod.record(ckpt, out)
     assert out.exists()
 

@@ -112,10 +112,14 @@ def test_status_lists_held_and_orphan_arenas_with_sizes(root: Path, monkeypatch,
     lines = out.splitlines()
     i = lines.index(f"fd store (keeper) of {root}: 3 arena(s), 4000 bytes")
     assert B < A  # listed by digest, then rank
-    assert lines[i + 1 : i + 4] == [
+    gone = "        folder missing: its folder /models/m is gone: no engine started on that path can use this arena; "
+    assert lines[i + 1 : i + 7] == [
         f"    {B[:16]} rank 0 loaded/shm 1000 bytes, adopted gen 2, orphan (3540 s of its TTL left)  /models/m",
+        gone + f"run: restore /models/m, or free the arena: preload-gate stop {B[:16]}",
         f"    {A[:16]} rank 0 loaded/shm 1000 bytes, adopted gen 2, orphan (kept until preload-gate stop)  /models/m",
+        gone + f"run: restore /models/m, or free the arena: preload-gate stop {A[:16]}",
         f"    {A[:16]} rank 1 loaded/shm 2000 bytes, adopted gen 2, held by pid 4242  /models/m",
+        gone + f"run: restore /models/m, or free the arena: preload-gate stop {A[:16]}",
     ]
     assert "no preload daemons found" in out  # the store's arenas outlive their daemons
 
@@ -124,7 +128,7 @@ def test_status_json_carries_the_store(root: Path, monkeypatch, capsys) -> None:
     _use(monkeypatch, FakeStore([_arena(A, 0, held=False, ttl_left=12.0)]))
     assert main(["status", "--socket-root", str(root), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["stores"] == [{"socket_root": str(root), "store": "keeper", "error": None}]
+    assert doc["stores"] == [{"socket_root": str(root), "store": "keeper", "error": None, "state": "running"}]
     (a,) = doc["stored"]
     assert (
         a["digest"],
@@ -141,15 +145,17 @@ def test_status_json_carries_the_store(root: Path, monkeypatch, capsys) -> None:
     ) == (A, 0, "loaded", "shm", 1000, "adopted", 2, False, 12.0, "/models/m", "keeper")
 
 
-def test_no_store_prints_no_store_lines(root: Path, monkeypatch, capsys) -> None:
+def test_no_store_is_said_as_none_runs(root: Path, monkeypatch, capsys) -> None:
+    """Issue 39: a missing store is said, never shown as nothing."""
     _use(monkeypatch, None)
     assert main(["status", "--socket-root", str(root)]) == 0
     out = capsys.readouterr().out
-    assert "fd store" not in out and "note:" not in out
+    assert f"fd store of {root}: none runs (no keeper): no arena outlives its daemon here" in out
+    assert "note:" not in out
     assert main(["status", "--socket-root", str(root), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert (
-        doc["stores"] == [{"socket_root": str(root), "store": None, "error": None}]
+        doc["stores"] == [{"socket_root": str(root), "store": None, "error": None, "state": "none"}]
         and doc["stored"] == []
     )
 
@@ -175,3 +181,32 @@ def test_a_store_that_cannot_be_reached_is_a_note(root: Path, monkeypatch, capsy
         f"note: cannot list the fd store of {root}: {root}/keeper.sock is not ours"
         in capsys.readouterr().out
     )
+
+
+def _dead_keeper_socket(root: Path) -> Path:
+    """What a keeper killed -9 leaves: its socket file, nobody listening."""
+    import socket
+
+    path = root / "keeper.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.close()
+    return path
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control_old_rule"])
+def test_an_unreachable_keeper_is_said_as_such(root: Path, monkeypatch, capsys, fixed: bool) -> None:
+    """Issue 39: a keeper whose socket is there and answers nothing (killed) is UNREACHABLE,
+    with what is lost; the control (the old rule: nobody asks whether the socket is there)
+    shows it as no store at all."""
+    _dead_keeper_socket(root)
+    if not fixed:
+        monkeypatch.setattr(fdstore, "keeper_state", lambda root: "absent")
+    assert main(["status", "--socket-root", str(root)]) == 0
+    out = capsys.readouterr().out
+    said = (f"fd store of {root}: UNREACHABLE: {root}/keeper.sock is there but no keeper answers (it died, "
+            "e.g. kill -9): every arena it held is lost") in out
+    assert said is fixed, out
+    assert main(["status", "--socket-root", str(root), "--json"]) == 0
+    (st,) = json.loads(capsys.readouterr().out)["stores"]
+    assert st["state"] == ("unreachable" if fixed else "none")

@@ -325,3 +325,34 @@ def test_control_a_gone_path_no_daemon_recorded_is_refused_with_what_to_run(worl
     assert f"no daemon's recorded checkpoint is {gone}" in err
     assert "run preload-gate status to see each daemon's digest and checkpoint" in err
     assert world["a"].alive() and world["b"].alive() and world["store"].drops == []
+
+
+def test_stop_all_says_what_it_will_stop_before_it_stops(world: dict, monkeypatch, capsys) -> None:
+    """Issue 39: a destructive verb says what it does first (stderr; --json stays one document),
+    and the line is said while every daemon still serves."""
+    from preload.daemon import stop as stop_mod
+
+    seen: list[tuple[str, bool, bool]] = []
+    real = stop_mod.plan_line
+
+    def plan_line(*a: Any) -> str:
+        line = real(*a)
+        seen.append((line, world["a"].alive(), world["b"].alive()))
+        return line
+
+    monkeypatch.setattr(stop_mod, "plan_line", plan_line)
+    rc = main(["stop", "--all", "--socket-root", str(world["root"]), "--timeout", "10", "--json"])
+    cap = capsys.readouterr()
+    assert rc == 0
+    json.loads(cap.out)  # stdout is still one JSON document
+    assert seen and seen[0][1] and seen[0][2]  # said before anything was signalled
+    named = ", ".join(sorted([A[:16], B[:16]]))
+    assert cap.err.splitlines()[0] == (
+        f"stop --all: stopping 2 daemon rank(s) and taking 3 stored arena(s) (16384 bytes) out of the fd store "
+        f"under {world['root']}, digests: {named}; 0 stale socket(s) to remove")
+
+
+def test_control_a_named_target_is_not_announced(world: dict, capsys) -> None:
+    """The neighbour: stopping one digest stops it without the --all line."""
+    assert main(["stop", A, "--socket-root", str(world["root"]), "--timeout", "10"]) == 0
+    assert "stop --all" not in capsys.readouterr().err
