@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
 
 from pgbase.cliargs import positive_int
@@ -31,12 +32,37 @@ def _nonempty(value: str) -> str:
     return value
 
 
+# Off a terminal, promote stays quiet for its first QUIET_S seconds: a quick
+# promote (or a refusal) is one line, a long hash is never silent.
+QUIET_S = 2.0
+
+
 def _progress() -> Callable[[str], None] | None:
     """A bar on a terminal (None: the library's default); elsewhere (a log, CI)
-    plain ``promote: ...`` lines on stderr, so a long hash is never silent (issue 39)."""
+    plain ``promote: ...`` lines on stderr once the hash has run QUIET_S
+    seconds (the first line held until then, the last said if any was), so
+    a long hash is never silent (issue 39) and a quick one adds no lines."""
     if sys.stderr.isatty():
         return None
-    return lambda line: print(f"promote: {line}", file=sys.stderr, flush=True)
+    held: list[str] = []
+    start: list[float] = []  # when hashing began (the first line), not when vLLM was asked for the files
+    spoke = False
+
+    def say(line: str) -> None:
+        nonlocal spoke
+        if not start:
+            start.append(time.monotonic())
+        if not spoke and time.monotonic() - start[0] < QUIET_S:
+            if not held:
+                held.append(line)  # the header: what is being hashed
+            return
+        if not spoke:
+            spoke = True
+            for first in held:
+                print(f"promote: {first}", file=sys.stderr, flush=True)
+        print(f"promote: {line}", file=sys.stderr, flush=True)
+
+    return say
 
 
 def _promote(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ consumers (:mod:`preload.hf_attach`), on the GPU when torch sees one, as
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 
 from pgbase.errors import PreloadGateError
@@ -39,12 +40,19 @@ def for_device(device_type: str) -> tuple[str, str]:
 
 def host_device_type() -> str | None:
     """vLLM's platform device type on this host (``cuda``, ``cpu``, ...),
-    or None when vLLM cannot be imported or names no platform. Imports
-    vLLM's platform module (a few seconds: it imports torch)."""
+    or None when vLLM is not installed or names no platform. Imports vLLM's
+    platform module (a few seconds: it imports torch). A vLLM that is
+    installed but fails to import is a PreloadGateError naming the error:
+    guessing ``raw`` there would start a daemon no engine attaches."""
+    if importlib.util.find_spec("vllm") is None:
+        return None  # no vLLM here: no vLLM engine runs here
     try:
         from vllm.platforms import current_platform  # optional: the stages for vLLM engines
-    except Exception:  # noqa: BLE001 - no vLLM, or a broken one: no vLLM engine runs here
-        return None
+    except Exception as exc:  # noqa: BLE001 - installed but broken: say so, never guess raw
+        raise PreloadGateError(
+            f"vLLM is installed but cannot be imported ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}), "
+            "so this host's engine stage is unknown; repair the vLLM install, or pass --stage raw for "
+            "consumers without vLLM") from None
     device_type = str(getattr(current_platform, "device_type", "") or "")
     return device_type or None
 
@@ -88,10 +96,12 @@ def resolve(stage: str | None, transport: str | None,
         # a transport alone: the vLLM stage that goes with it, if an engine here asks for it
         stage = want_stage if transport == want_transport else None
         if stage is None:
+            other = (f", or pass --stage raw --transport {transport} for other consumers"
+                     if transport != "cuda" or _torch_sees_cuda() else "")
             raise PreloadGateError(
                 f"--transport {transport} serves no vLLM engine on this host (vLLM's platform is "
                 f"{device_type}: its engines attach --stage {want_stage} --transport {want_transport}); "
-                f"leave both out, or pass --stage raw --transport {transport} for other consumers")
+                f"leave both out{other}")
     asked = f"--stage {stage}" + (f" --transport {transport}" if transport else "")
     transport = transport or want_transport
     if (stage, transport) != (want_stage, want_transport):

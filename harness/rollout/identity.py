@@ -16,12 +16,14 @@ and the deployment's dtype and TP size where they are stated
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 from typing import Any
 
 from preload.deployment import DeploymentSettings, answer_identity
+from preload.engine_platform import for_device, host_device_type
 
 # vLLM's aliases for --dtype.
 _DTYPES = {"half": "float16", "float": "float32"}
@@ -50,11 +52,26 @@ def _dtype(name: str) -> str:
     return _DTYPES.get(name, name)
 
 
+@functools.cache
+def engine_surface() -> tuple[str, str] | None:
+    """The (stage, transport) the replicas' engines on this host attach, by
+    vLLM's platform (:mod:`preload.engine_platform`); None without vLLM."""
+    device = host_device_type()
+    return for_device(device) if device else None
+
+
 def key_mismatch(key: dict[str, Any], config_digest: str | None, settings: DeploymentSettings) -> list[str]:
     """The fields of a daemon's key (its ``stats`` answer's ``key``) that the
     replicas' key will not hold: ``config_digest``, ``dtype`` (unless ``auto``),
-    ``tp_size``. Empty: a replica asking for this checkpoint hits it."""
+    ``tp_size``, and the ``export_stage``/``transport`` this host's engines
+    attach (a raw daemon of the same digest serves no vLLM replica). Empty:
+    a replica asking for this checkpoint hits it."""
     out = []
+    surface = engine_surface()
+    if surface is not None:
+        for name, want in zip(("export_stage", "transport"), surface, strict=True):
+            if key.get(name) is not None and key.get(name) != want:
+                out.append(name)
     if key.get("config_digest") != config_digest:
         out.append("config_digest")
     if settings.dtype != "auto" and key.get("dtype") and _dtype(key["dtype"]) != _dtype(settings.dtype):

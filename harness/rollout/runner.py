@@ -118,7 +118,9 @@ class Rollout:
         d = self.state.daemon(c.key)
         # "Resident" is a daemon of c's digest whose key is the one the
         # replicas will ask for (its config, dtype, TP), never the digest alone.
-        fits = (lambda key: key_mismatch(key, c.config_digest, self.opts.settings)) if c.key != c.ask else None
+        def fits(key: dict) -> list[str]:
+            return key_mismatch(key, c.config_digest, self.opts.settings)
+
         found = find_daemon(c.ask, c.root(self.opts.socket_root), fits, roots=[self.opts.socket_root])
         if d is not None:
             if found is not None:

@@ -94,7 +94,8 @@ def try_adopt(
             f"the fd store ({store.name}) holds no arena for {digest[:16]} rank {rank} (none deposited, "
             "or dropped by preload-gate stop)"))
     record, fds = stored.record, stored.fds
-    why, kind, fields = "", "", ()
+    why, kind = "", ""
+    fields: list[str] = []
     if record.stage != cfg.stage or record.transport != transport.name:
         kind, why = "stage_differs", (
             f"the stored arena is stage {record.stage}/transport {record.transport}; this rank serves "

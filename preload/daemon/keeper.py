@@ -64,6 +64,7 @@ from preload.daemon.keeper_start import (  # noqa: F401  (the keeper's public na
     START_TIMEOUT_S,
     _answers,
     _lock,
+    clear_expired,
     note_expired,
     socket_file,
     start_keeper,
@@ -355,8 +356,12 @@ class Keeper:
                     f"deposit refused: the keeper holds {len(self._arenas)} arenas, its limit "
                     f"(MAX_ARENAS {self.max_arenas}); drop some with `preload-gate stop`")
             self._arenas[key] = _Held(record, list(fds), cid)
+        clear_expired(self.root, record.digest, record.global_rank)  # held again: an old expiry is history
         if old is not None:
             _close_all(old.fds)
+            log.info("keeper: the deposit of %s rank %d (%s/%s) replaced the arena held for it before (%s/%s)",
+                     record.digest[:16], record.global_rank, record.stage, record.transport,
+                     old.record.stage, old.record.transport)
         return {"status": "ok", "replaced": old is not None}
 
 

@@ -102,18 +102,11 @@ def _expiries(root: Path) -> dict[str, list[float]]:
     return data if isinstance(data, dict) else {}
 
 
-def note_expired(root: str | os.PathLike[str], digest: str, global_rank: int, ttl_s: float) -> None:
-    """Record that the keeper dropped ``(digest, global_rank)`` at the end of
-    its orphan TTL (now): atomically, 0600, in the socket root. Best effort:
-    a failure costs only the successor's "expired at" (it then says "no store")."""
+def _write_expiries(root: Path, data: dict) -> None:
+    """``data`` as ``<root>/keeper.expired.json``, atomically, 0600. Best
+    effort: a failure costs only a successor's "expired at"."""
     from preload.trust import open_own_file
 
-    root = Path(root)
-    data = _expiries(root)
-    data.pop(f"{digest}/{global_rank}", None)
-    data[f"{digest}/{global_rank}"] = [time.time(), ttl_s]
-    while len(data) > EXPIRED_KEPT:
-        data.pop(next(iter(data)))
     tmp = root / f".{EXPIRED_NAME}.{os.getpid()}"
     try:
         fd = open_own_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "keeper expiries")
@@ -122,9 +115,32 @@ def note_expired(root: str | os.PathLike[str], digest: str, global_rank: int, tt
         finally:
             os.close(fd)
         os.replace(tmp, root / EXPIRED_NAME)
-    except (OSError, PreloadGateError):  # best effort: see the docstring
+    except (OSError, PreloadGateError):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+
+
+def note_expired(root: str | os.PathLike[str], digest: str, global_rank: int, ttl_s: float) -> None:
+    """Record that the keeper dropped ``(digest, global_rank)`` at the end of
+    its orphan TTL (now): atomically, 0600, in the socket root. Best effort:
+    a failure costs only the successor's "expired at" (it then says "no store")."""
+    root = Path(root)
+    data = _expiries(root)
+    data.pop(f"{digest}/{global_rank}", None)
+    data[f"{digest}/{global_rank}"] = [time.time(), ttl_s]
+    while len(data) > EXPIRED_KEPT:
+        data.pop(next(iter(data)))
+    _write_expiries(root, data)
+
+
+def clear_expired(root: str | os.PathLike[str], digest: str, global_rank: int) -> None:
+    """Forget that ``(digest, global_rank)`` expired: a new deposit of it makes
+    that expiry history, so a later disk read is never blamed on it. Best effort."""
+    root = Path(root)
+    data = _expiries(root)
+    if data.pop(f"{digest}/{global_rank}", None) is None:
+        return
+    _write_expiries(root, data)
 
 
 def expired_at(root: str | os.PathLike[str], digest: str, global_rank: int) -> tuple[float, float] | None:

@@ -19,6 +19,9 @@ import msgspec
 from pgbase.digest_text import short_digest
 from pgbase.errors import PreloadGateError
 
+# What status says of a stored arena's checkpoint folder.
+FolderState = Literal["intact", "missing", "changed", "unknown"]
+
 
 class StoredRecord(msgspec.Struct, kw_only=True):
     """One arena an fd store keeps (:meth:`preload.daemon.fdstore.FdStore.list`):
@@ -46,7 +49,7 @@ class StoredRecord(msgspec.Struct, kw_only=True):
     deposited_at: float = 0.0
     orphan_ttl_s: float | None = None
     ttl_left_s: float | None = None
-    folder: Literal["intact", "missing", "changed", "unknown"] = "unknown"
+    folder: FolderState = "unknown"
     folder_why: str = ""
     fix: str = ""
 
@@ -63,7 +66,7 @@ class StoreState(msgspec.Struct):
     state: Literal["running", "none", "unreachable", "error"] = "running"
 
 
-def folder_check(a: StoredRecord) -> tuple[str, str, str]:
+def folder_check(a: StoredRecord) -> tuple[FolderState, str, str]:
     """``(folder, why, fix)`` for a stored arena's checkpoint folder: still
     there with the digest the arena proved (its promotion manifest names that
     digest and the engines' stat check passes), gone, or changed."""
@@ -108,10 +111,16 @@ def scan_store(root: str | os.PathLike[str]) -> tuple[StoreState, list[StoredRec
     except (PreloadGateError, OSError) as exc:
         return StoreState(where, None, error=str(exc) or type(exc).__name__, state="error"), []
     if store is None:
-        if fdstore.keeper_state(where) == "unreachable":
+        keeper = fdstore.keeper_state(where)
+        if keeper == "unreachable":
             return StoreState(where, None, state="unreachable", error=(
                 f"{where}/keeper.sock is there but no keeper answers (it died, e.g. kill -9): every arena it "
                 "held is lost; a serving daemon starts a new one within a second, or the next start does")), []
+        if keeper == "running":  # it accepts (its backlog) but did not answer the hello in time
+            return StoreState(where, None, state="unreachable", error=(
+                f"a keeper listens on {where}/keeper.sock but does not answer (stopped or hung: SIGSTOP, a "
+                "debugger, an overloaded host); what it holds is out of reach until it answers: "
+                "kill -CONT it, or stop it and let the next daemon start a new one")), []
         return StoreState(where, None, state="none"), []
     try:
         listed = store.list()

@@ -148,3 +148,25 @@ def test_the_engine_counts_the_daemons_device_bytes_once(tiny_ckpt, tmp_path, mo
         assert ask("cuda", socket_root=str(short_dir("pg-mem0-"))) == 0  # no daemon there: a disk load
     finally:
         d.stop()
+
+
+def test_a_broken_vllm_is_named_not_guessed_raw(tiny_ckpt, tmp_path) -> None:
+    """vLLM installed but failing to import: the daemon's default is refused in
+    one line naming the error (a raw daemon there would serve no engine);
+    an explicit --stage raw still starts its dry run. Control: no vLLM at all
+    (a package that is not there) gives the raw stage, as the rule says."""
+    fake = tmp_path / "fake"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text("raise RuntimeError('torch mismatch: built for 2.14')\n")
+
+    def dry(*extra: str, path: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "preload_gate", "preload", str(tiny_ckpt), "--dry-run",
+                               "--json", "--socket-root", str(short_dir("pg-ep-")), *extra],
+                              capture_output=True, text=True, cwd=str(REPO), timeout=300,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join([path, repo_pythonpath()])})
+
+    broken = dry(path=str(fake))
+    assert broken.returncode == 2 and len(broken.stderr.strip().splitlines()) == 1, broken.stderr
+    assert "cannot be imported" in broken.stderr and "torch mismatch" in broken.stderr
+    assert dry("--stage", "raw", path=str(fake)).returncode == 0
+    assert resolve(None, None, lambda: None)[0] == "raw"  # control: no vLLM installed at all

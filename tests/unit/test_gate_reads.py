@@ -46,7 +46,7 @@ def stand_ins(monkeypatch, tmp_path):
     monkeypatch.setattr(VerifiedCacheTarget, "engine_worker", "fake_engines")
     monkeypatch.setattr(VerifiedCacheTarget, "reference_worker", "fake_engines")
     monkeypatch.setattr("harness.targets.verified_cache.DaemonProcess", FakeDaemon)
-    monkeypatch.setattr("canaries.golden._run_worker", lambda spec, timeout_s: stub_result(len(spec["prompts"])))
+    monkeypatch.setattr("canaries.golden._run_worker", lambda spec, timeout_s, say=None: stub_result(len(spec["prompts"])))
 
 
 def _promote_counted(tiny_ckpt: Path, tmp: Path, name: str):

@@ -132,3 +132,20 @@ def test_a_bad_orphan_ttl_is_one_line_exit_2(tmp_path: Path, capsys, value: str,
         main(["preload", str(tmp_path), "--stage", "raw", f"--orphan-ttl={value}"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and f"argument --orphan-ttl: {says}" in err, err
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control_old_rule"])
+def test_a_new_deposit_makes_an_old_expiry_history(tmp_path, fixed: bool) -> None:
+    """After an arena expired, a later deposit of the same digest and rank
+    (then a clean drop) must not leave later disk reads blamed on that expiry
+    (review finding: "arena_expired ... 281 s ago" after a clean stop). The
+    keeper clears the note on deposit; the control keeps the old rule (never cleared)."""
+    from preload.daemon.keeper_start import clear_expired, expired_at, note_expired
+
+    note_expired(tmp_path, "ab" * 32, 0, 20.0)
+    assert expired_at(tmp_path, "ab" * 32, 0) is not None
+    note_expired(tmp_path, "cd" * 32, 0, 20.0)
+    if fixed:
+        clear_expired(tmp_path, "ab" * 32, 0)  # what Keeper._deposit does for the arena it now holds
+    assert (expired_at(tmp_path, "ab" * 32, 0) is None) is fixed
+    assert expired_at(tmp_path, "cd" * 32, 0) is not None  # another arena's expiry stays

@@ -82,7 +82,7 @@ def test_every_rank_gets_the_verbs_daemon_settings_as_they_are():
 
     settings = {"checkpoint": "/models/m", "stage": "raw", "transport": "cuda", "socket_root": "/run/pg",
                 "unsafe_identity": "header_only", "engine": {"dtype": "float16"}, "fd_store": False,
-                "take_over": True}
+                "take_over": True, "orphan_ttl_s": 120.0}
     assert set(settings) == {f.name for f in fields(DaemonSettings)}
     opts = PreloadOptions(**settings, parallel=Parallelism(tp_size=2), identity="pinned",
                           expect_digest="AB" * 32, master_port=29500)

@@ -1,7 +1,8 @@
 """Long verbs say how far they are where no terminal shows a bar (issue 39).
 
-- ``promote``: plain ``promote: ...`` lines on stderr (a first line before
-  the first byte, one per shard done at most every 2 s, the last); the
+- ``promote``: plain ``promote: ...`` lines on stderr once it has hashed for
+  QUIET_S (the held first line, one per shard done at most every 2 s, the
+  last); a quick promote adds none; the
   control puts the old rule back (no lines off a terminal): nothing is said.
 - ``canary record``: a line when the engine starts, every PROGRESS_S while it
   runs and when it is done (a real child process standing in for the
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.unit
 @pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control_old_rule"])
 def test_promote_says_how_far_it_is(tmp_path: Path, monkeypatch, capsys, fixed: bool) -> None:
     ckpt = fresh_checkpoint(tmp_path / "m", seed=1, shards=2)
+    monkeypatch.setattr(promote_cli, "QUIET_S", 0.0)  # as if the hash had run long
     if not fixed:
         monkeypatch.setattr(promote_cli, "_progress", lambda: None)
     rc = main(["promote", str(ckpt), "--socket-root", str(tmp_path / "root"), "--cache-dir", str(tmp_path / "c")])
@@ -41,6 +43,15 @@ def test_promote_says_how_far_it_is(tmp_path: Path, monkeypatch, capsys, fixed: 
         return
     assert lines[0].startswith(f"promote: sha256 of 2 shards, {size} bytes, ")
     assert lines[-1] == f"promote: hashed 2/2 shards, {size} of {size} bytes (100%)"
+
+
+def test_a_quick_promote_adds_no_lines(tmp_path: Path, capsys) -> None:
+    """Under QUIET_S a promote says nothing extra, so a refusal stays one line
+    (the control is the test above, with the quiet period at 0)."""
+    ckpt = fresh_checkpoint(tmp_path / "m", seed=1, shards=2)
+    rc = main(["promote", str(ckpt), "--socket-root", str(tmp_path / "root"), "--cache-dir", str(tmp_path / "c")])
+    assert rc == 0
+    assert [x for x in capsys.readouterr().err.splitlines() if x.startswith("promote: ")] == []
 
 
 @pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control_old_rule"])

@@ -59,6 +59,21 @@ def test_the_identity_is_weights_config_and_answer_files(tiny_ckpt, tmp_path):
     assert identity("e" * 64, copy) != identity(digest, copy)  # other weights
 
 
+def test_a_daemon_of_another_stage_is_not_resident(monkeypatch):
+    """A raw daemon of A's digest serves no vLLM replica on this host (its
+    engines attach the loaded stage on CPU): not "A resident" (review finding).
+    Control: the stage and transport this host's engines attach fit."""
+    import harness.rollout.identity as identity
+
+    monkeypatch.setattr(identity, "engine_surface", lambda: ("loaded", "shm"))
+    s = DeploymentSettings(dtype="bfloat16")
+    key = {"config_digest": "c1", "dtype": "bfloat16", "tp_size": 1}
+    assert key_mismatch({**key, "export_stage": "raw", "transport": "shm"}, "c1", s) == ["export_stage"]
+    assert key_mismatch({**key, "export_stage": "processed", "transport": "cuda"}, "c1", s) == \
+        ["export_stage", "transport"]
+    assert key_mismatch({**key, "export_stage": "loaded", "transport": "shm"}, "c1", s) == []
+
+
 def test_a_daemon_of_the_same_weights_under_another_config_is_not_resident():
     s = DeploymentSettings(dtype="bfloat16")
     assert key_mismatch({"config_digest": "c1", "dtype": "torch.bfloat16", "tp_size": 1}, "c1", s) == []

@@ -210,3 +210,26 @@ def test_an_unreachable_keeper_is_said_as_such(root: Path, monkeypatch, capsys, 
     assert main(["status", "--socket-root", str(root), "--json"]) == 0
     (st,) = json.loads(capsys.readouterr().out)["stores"]
     assert st["state"] == ("unreachable" if fixed else "none")
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control_old_rule"])
+def test_a_keeper_that_accepts_and_never_answers_is_unreachable_not_none(root: Path, monkeypatch, capsys,
+                                                                         fixed: bool) -> None:
+    """A stopped keeper (SIGSTOP, a debugger) still holds its arenas and its
+    socket accepts into the backlog, but never answers: status says so, not
+    "none runs" (review finding). The control is the old rule, which fell
+    through to "none" whenever no store could be opened."""
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(root / "keeper.sock"))
+    listener.listen(8)  # accepts into the backlog; nobody ever answers
+    monkeypatch.setattr(fdstore, "open_store", lambda *a, **k: None)  # its hello timed out
+    if not fixed:
+        monkeypatch.setattr(fdstore, "keeper_state", lambda root: "absent")
+    try:
+        assert main(["status", "--socket-root", str(root), "--json"]) == 0
+        (st,) = json.loads(capsys.readouterr().out)["stores"]
+    finally:
+        listener.close()
+    assert (st["state"] == "unreachable" and "does not answer" in (st.get("error") or "")) is fixed, st

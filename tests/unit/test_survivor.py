@@ -291,9 +291,10 @@ def test_a_killed_bench_leaves_no_scratch(tmp_path, tag, held, sig) -> None:
 _TREE = ("harness", "canaries", "preload", "preload_gate", "pgbase", "fixtures")
 _STARTS = {"Popen", "run", "call", "check_call", "check_output"}
 # Sites the kill -9 table runs (module:function of the call).
-_TABLED = {"harness.targets._procs:run_all", "harness.targets.ipc_cache:prepare", "canaries.golden:_run_worker",
-           "harness.rollout.supervised:restart", "preload.daemon.ready:start_preload",
-           "preload.daemon.ready:start_rank", "harness.engine:run_engine"}
+# (ipc_cache's prepare starts vLLM's preload through start_vllm_preload; run_engine runs run_engine_once.)
+_TABLED = {"harness.targets._procs:run_all", "harness.targets.ipc_cache:start_vllm_preload",
+           "canaries.golden:_run_worker", "harness.rollout.supervised:restart", "preload.daemon.ready:start_preload",
+           "preload.daemon.ready:start_rank", "harness.engine:run_engine_once"}
 # The one place an environment is made without the token on purpose.
 _EXEMPT = {"pgbase.survivor:hold": "the survivor itself: no holder's survivor stops another"}
 
