@@ -187,16 +187,21 @@ class Flow:
         from preload.identity.anchors import header_only_digest
         from preload.identity.config import config_digest
 
-        out: list[Checkpoint] = []
         paths = [plan.from_ckpt, *plan.to]
+        # Every step's identity first: a step onto its predecessor's is refused
+        # before the first gate or golden of any step.
+        found: list[tuple[str, str, str, str]] = []  # path, digest, identity, the digest engines ask for
         for i, path in enumerate(paths):
             digest = self._digest(path, label_of(i), socket_root)
             ask = header_only_digest(path) if (self.args.unsafe_identity and i > 0) else digest
             key = identity(ask, path)
-            if i and key == out[-1].key:
-                raise PlanError(f"--to {path} is the same checkpoint as {label_of(i - 1)} ({out[-1].path}): the same "
+            if i and key == found[-1][2]:
+                raise PlanError(f"--to {path} is the same checkpoint as {label_of(i - 1)} ({found[-1][0]}): the same "
                                 f"weights ({digest[:16]}), config.json and answer files; nothing to roll out, and "
                                 "nothing was changed (daemons and replicas are as they were)")
+            found.append((path, digest, key, ask))
+        out: list[Checkpoint] = []
+        for i, (path, digest, key, ask) in enumerate(found):
             if i:
                 self.note("identity", f"{label_of(i)} differs from {label_of(i - 1)} in "
                           + (", ".join(what_differs(paths[i - 1], path)) if ask == out[-1].ask else "its weights"))

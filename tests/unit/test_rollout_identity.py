@@ -171,3 +171,37 @@ def test_control_a_config_only_change_is_not_refused(tiny_ckpt, tmp_path, monkey
     code, _ = _rollout_cli(tmp_path, monkeypatch, tiny_ckpt, _config_only(tiny_ckpt, tmp_path / "cfg"))
     assert code == 0, capsys.readouterr().err
     assert "differs from A in config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("identical", [True, False], ids=["identical_second_step", "control_changed_second_step"])
+def test_a_later_step_onto_identical_content_is_refused_before_any_golden(tiny_ckpt, tmp_path, monkeypatch, capsys,
+                                                                          identical: bool):
+    """``--to B --to B2`` where B2 is B byte for byte: refused before the first
+    step's golden or gate (review finding: B's gate ran first). Control: a
+    second step that differs (its config) is not refused."""
+    from preload_gate.cli import main
+
+    b = _config_only(tiny_ckpt, tmp_path / "B")
+    b2 = tmp_path / "B2"
+    if identical:
+        shutil.copytree(b, b2)
+    else:
+        _config_only(b, b2)
+    monkeypatch.setenv("PRELOAD_GATE_CACHE", str(tmp_path / "cache"))
+    daemons = FakeDaemons()
+    daemons.install(monkeypatch)
+    daemons.live[D] = "the fleet's daemon"  # type: ignore[assignment]
+    recorded: list[str] = []
+    monkeypatch.setattr("harness.rollout.flow.Flow._record",
+                        lambda self, path, *a: recorded.append(str(path)) or str(tmp_path / "golden.json"))
+    monkeypatch.setattr("harness.rollout.flow.Flow.rotate", lambda self, state, abort=False: (0, None))
+    code = main(["rollout", "--state-dir", str(tmp_path / "state"), "--socket-root", str(tmp_path / "sock"),
+                 "--from", str(tiny_ckpt), "--to", str(b), "--to", str(b2), "--replica-url", "http://127.0.0.1:9",
+                 "--no-gate"])
+    err = capsys.readouterr().err
+    if identical:
+        assert code == 2 and f"--to {b2} is the same checkpoint as" in err, err
+        assert recorded == []
+    else:
+        assert code == 0, err
+        assert recorded
