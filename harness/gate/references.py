@@ -132,6 +132,10 @@ class ReferenceCache:
         except (OSError, ValueError):
             return None
         result = EngineResult.from_json(obj)
+        # What the storing run saw at its own path (its node view) is not this
+        # use's: the key already binds the content (its digest, or the values at
+        # the engine's dtype: a .bin and a safetensors of equal values share it).
+        result.weights_digest = None
         return result if result.ok else None
 
     def _private_root(self) -> Path:

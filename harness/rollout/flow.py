@@ -9,6 +9,7 @@ driver, the goldens, the load generator, the metrics file and the report.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 from collections.abc import Callable
@@ -241,7 +242,19 @@ class Flow:
             if self.args.stop:
                 return self.stop()
         plan = None if self.args.abort else self.plan()
+        made = not self.state_dir.exists()
         self._prepare_dirs()
+        try:
+            return self._run_locked(plan)
+        except PlanError:
+            if made:  # a refused plan (identical content) leaves no state dir behind
+                with contextlib.suppress(OSError):
+                    self.state_dir.rmdir()
+            raise
+
+    def _run_locked(self, plan: Plan | None) -> tuple[int, dict[str, Any] | None]:
+        from harness.rollout.plan import StateError
+
         with host_lock():
             existing = load_state(self.state_dir / "state.json")
             if self.args.abort:

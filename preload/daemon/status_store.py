@@ -70,7 +70,7 @@ def folder_check(a: StoredRecord) -> tuple[FolderState, str, str]:
     """``(folder, why, fix)`` for a stored arena's checkpoint folder: still
     there with the digest the arena proved (its promotion manifest names that
     digest and the engines' stat check passes), gone, or changed."""
-    from preload.identity.manifest import load_manifest, stale_reason
+    from preload.identity.manifest import load_manifest, promote_command, stale_reason
 
     d16, ckpt = short_digest(a.digest), a.checkpoint
     free = f"preload-gate stop {d16}"
@@ -82,17 +82,17 @@ def folder_check(a: StoredRecord) -> tuple[FolderState, str, str]:
     try:
         manifest = load_manifest(ckpt)
     except PreloadGateError as exc:
-        return "unknown", f"cannot read the promotion manifest of {ckpt}: {exc}", f"preload-gate promote {ckpt}"
+        return "unknown", f"cannot read the promotion manifest of {ckpt}: {exc}", promote_command(ckpt)
     if manifest is None:
         return ("unknown", f"{ckpt} has no promotion manifest: its digest is unknown without hashing it",
-                f"preload-gate promote {ckpt}")
+                promote_command(ckpt))
     if manifest.digest != a.digest:
         return ("changed", f"{ckpt} was promoted as other weights ({short_digest(manifest.digest)}), not "
                 f"{d16}: engines on it will not use this arena", f"free the arena: {free}")
     stale = stale_reason(ckpt, manifest)
     if stale is not None:
         return ("changed", f"{ckpt} changed since promotion ({stale[0]}): its digest may no longer be {d16}",
-                f"preload-gate promote {ckpt} (if it now holds other weights, free the arena: {free})")
+                f"{promote_command(ckpt)} (if it now holds other weights, free the arena: {free})")
     return "intact", f"{ckpt} still holds {d16} (its manifest and the stat check agree)", ""
 
 

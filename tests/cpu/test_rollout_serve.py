@@ -38,6 +38,7 @@ from daemon_support import REPO, Daemon, repo_pythonpath, short_dir
 from canaries.check import check
 from canaries.golden import load_golden, record
 from fixtures.mutations import by_name, copy_checkpoint
+from harness.rollout.identity import identity
 from pgbase.ports import free_port
 from preload.deployment import DeploymentSettings
 from preload.identity.digest import content_digest
@@ -150,13 +151,16 @@ def test_bad_checkpoint_fails_its_first_canary_and_goes_back_to_a_as_a_hit(fleet
     onto_bad = [x for x in doc["switches"] if x["onto"] == "B" and not x["rollback"]]
     assert [x["replica"] for x in onto_bad] == [0] and onto_bad[0]["events"][0]["outcome"] == "hit"
     assert all(x["replica"] == 0 for x in doc["switches"])  # replica 1 never left A
-    assert [r["serving"] for r in state(fleet)["replicas"]] == [a, a]
+    # state.json records what each replica serves by identity (weights, config, answer files: issue 37)
+    assert [r["serving"] for r in state(fleet)["replicas"]] == [identity(a, fleet["A"])] * 2
     assert check(fleet["urls"], load_golden(fleet["goldens"]["A"]), timeout=60, retries=1).ok
     assert bad != a
 
 
 def test_killed_midway_then_run_again_finishes_and_every_replica_answers_b(fleet) -> None:
     a, b = fleet["digests"]["A"], fleet["digests"]["B"]
+    # state.json names checkpoints by identity (weights, config, answer files: issue 37); daemons by digest
+    a_id, b_id = identity(a, fleet["A"]), identity(b, fleet["B"])
     argv = rollout_argv(fleet, "B", "--no-gate", "--golden", str(fleet["goldens"]["B"]), "--load-gen",
                         "--load-rate", "0.5", "--soak", "2", "--json")
     log = open(fleet["work"] / "killed-run.txt", "w")
@@ -168,7 +172,7 @@ def test_killed_midway_then_run_again_finishes_and_every_replica_answers_b(fleet
                 r1 = state(fleet)["replicas"][1]
             except (OSError, ValueError, KeyError, IndexError):
                 r1 = {}
-            if r1.get("phase") == "switching" and r1.get("started_onto") == b:
+            if r1.get("phase") == "switching" and r1.get("started_onto") == b_id:
                 break
             time.sleep(0.5)
         assert proc.poll() is None, (fleet["work"] / "killed-run.txt").read_text()[-4000:]
@@ -179,14 +183,14 @@ def test_killed_midway_then_run_again_finishes_and_every_replica_answers_b(fleet
             proc.kill()
         log.close()
     mid = state(fleet)
-    assert [(r["phase"], r["serving"]) for r in mid["replicas"]] == [("serving", b), ("switching", a)]
+    assert [(r["phase"], r["serving"]) for r in mid["replicas"]] == [("serving", b_id), ("switching", a_id)]
     p = run(fleet, argv)
     (fleet["work"] / "resumed-run.txt").write_text(p.stdout + p.stderr)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     doc = json.loads(p.stdout)
     assert doc["summary"]["status"] == "done"
     assert "waiting for the process it started" in p.stderr  # the killed run's start, judged, not redone
-    assert [r["serving"] for r in state(fleet)["replicas"]] == [b, b]
+    assert [r["serving"] for r in state(fleet)["replicas"]] == [b_id, b_id]
     assert check(fleet["urls"], load_golden(fleet["goldens"]["B"]), timeout=60, retries=1).ok
     assert doc["loadgen"]["wrong"] == 0 and doc["loadgen"]["answered"] > 0
     # A's daemon released and its socket directory gone: nothing of A left behind

@@ -164,7 +164,7 @@ def test_a_rollout_to_identical_content_is_refused_and_changes_nothing(tiny_ckpt
     assert code == 2 and len(err) == 1 and err[0] == lines[-1] and "is the same checkpoint as A" in err[0], lines
     assert "nothing was changed" in err[0]
     assert daemons.started == [] and daemons.released == [] and daemons.live == {D: "the fleet's daemon"}
-    assert not (tmp_path / "state" / "state.json").exists()
+    assert not (tmp_path / "state").exists()  # not even an empty state dir (review finding)
 
 
 def test_control_a_config_only_change_is_not_refused(tiny_ckpt, tmp_path, monkeypatch, capsys):

@@ -120,6 +120,10 @@ def test_a_folder_recreated_with_other_weights_not_promoted_is_changed(world: di
     lines, a = _status(world["root"], capsys)
     line = _arena_lines(lines, world["digest"][:16])[1]
     assert line.startswith(f"        folder changed: {world['ckpt']} changed since promotion (")
-    assert line.endswith(f"run: preload-gate promote {world['ckpt']} (if it now holds other weights, free the arena: "
+    # the promote into the cache the engines read (the rank line's rule: promote_command), not the default one
+    from preload.identity.manifest import promote_command
+
+    assert line.endswith(f"run: {promote_command(world['ckpt'])} (if it now holds other weights, free the arena: "
                          f"preload-gate stop {world['digest'][:16]})")
+    assert "--cache-dir" in line
     assert a["folder"] == "changed"
