@@ -28,6 +28,7 @@ from vllm_gpu_support import (
     UNSAFE,
     engine_env,
     engine_log,
+    engine_spec,
     record,
     run_all,
     stats,
@@ -56,8 +57,7 @@ class Stack:
     runs: dict[str, EngineResult] = dataclasses.field(default_factory=dict)
 
     def spec(self, ckpt: Path, load_format: str = "auto", extra: dict | None = None, **kw) -> EngineSpec:
-        return EngineSpec(checkpoint=str(ckpt), load_format=load_format, extra_config=extra,
-                          env=engine_env(self.cache), **kw)
+        return engine_spec(self.cache, ckpt, load_format, extra, **kw)
 
     def events(self, name: str) -> list[dict]:
         return self.runs[name].events

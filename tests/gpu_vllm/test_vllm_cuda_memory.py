@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from daemon_support import Daemon, short_dir
 from vllm_gpu_support import (
-    engine_env,
+    engine_spec,
     gpu_memory_mib,
     process_mib,
     record,
@@ -50,8 +50,7 @@ def test_the_daemon_holds_the_weights_once_and_an_engine_beside_it_gets_autos_kv
     cache, work = tmp_path / "cache", tmp_path
 
     def spec(ckpt: Path, load_format: str = "auto", extra: dict | None = None, **kw) -> EngineSpec:
-        return EngineSpec(checkpoint=str(ckpt), load_format=load_format, extra_config=extra,
-                          env=engine_env(cache), **kw)
+        return engine_spec(cache, ckpt, load_format, extra, **kw)
 
     root = short_dir("pg-gvmem-")
     promote(sized, socket_root=root, cache_dir=cache, progress=False)

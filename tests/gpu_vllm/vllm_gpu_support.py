@@ -45,6 +45,11 @@ def engine_env(cache: Path) -> dict[str, str]:
     return {"PRELOAD_GATE_CACHE": str(cache), "PYTHONPATH": repo_pythonpath(), **UNSAFE}
 
 
+def engine_spec(cache: Path, ckpt: Path, load_format: str = "auto", extra: dict | None = None, **kw: Any) -> EngineSpec:
+    """One engine of the tier: ``ckpt`` under ``load_format``, manifests read from ``cache``."""
+    return EngineSpec(checkpoint=str(ckpt), load_format=load_format, extra_config=extra, env=engine_env(cache), **kw)
+
+
 def run_all(specs: Mapping[str, EngineSpec], workdir: Path,
             workers: int = int(os.environ.get("PRELOAD_GATE_GPU_VLLM_WORKERS", "4"))) -> dict[str, EngineResult]:
     """Every spec in its own engine process, several at once (their starts
